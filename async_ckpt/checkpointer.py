@@ -1,0 +1,347 @@
+"""The user-facing checkpointer: ``async_ckpt.wrap(engine, url)`` and the save/wait/load/close API.
+
+A save runs in two phases. On the training thread, ``save()`` drives DeepSpeed's own
+``save_checkpoint`` (so DeepSpeed still decides every file and every byte) with the adapter in
+place, which snapshots each file into reused host buffers instead of writing it; ``save()``
+returns once the snapshot is safe. On the rank's background writer thread, the snapshot is
+streamed to storage and committed (see :mod:`async_ckpt.commit`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from async_ckpt import __version__ as _version
+from async_ckpt.config import CheckpointConfig, OnError
+from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine
+from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, SaveFailedError, TagExistsError,
+                               UsageError)
+from async_ckpt.handle import SaveHandle
+from async_ckpt.job import SaveJob
+from async_ckpt.layout import manifest_path, validate_tag
+from async_ckpt.resume import FetchReport, fetch_for_rank, resolve
+from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
+from async_ckpt.storage import Storage, open_storage
+from async_ckpt.writer import BackgroundWriter
+
+logger = logging.getLogger("async_ckpt")
+
+
+@dataclass
+class _Session:
+    """The save currently being snapshotted on the training thread."""
+
+    storage: Storage
+    files: list[StagedFile] = field(default_factory=list)
+
+
+def _normalize(url: str) -> str:
+    return os.path.abspath(os.path.expanduser(url)) if "://" not in url else url.rstrip("/")
+
+
+class AsyncCheckpointer:
+    """Non-blocking saves, commit and resume for one DeepSpeed engine. Create it with :func:`wrap`.
+
+    Every rank creates one and calls ``save``/``wait``/``load`` together, as with DeepSpeed.
+    After wrapping, the engine's own ``save_checkpoint`` is non-blocking too.
+    """
+
+    def __init__(self, engine: Any, config: CheckpointConfig, *, tokenizer: Any = None) -> None:
+        if not all(hasattr(engine, a) for a in ("save_checkpoint", "load_checkpoint", "checkpoint_engine")):
+            raise UsageError(f"wrap() needs the DeepSpeedEngine returned by deepspeed.initialize, "
+                             f"got {type(engine).__name__}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+            raise UsageError(f"tokenizer must have a save_pretrained(dir) method, got {type(tokenizer).__name__}")
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.storage = self._open(config.url)
+        self._storages: dict[str, Storage] = {_normalize(config.url): self.storage}
+        self._shadow = tempfile.mkdtemp(prefix="async_ckpt_shadow_")
+        self._pool = StagingPool()
+        self._session: _Session | None = None
+        self._last_job: SaveJob | None = None
+        self._staging: CopyTicket | None = None
+        self._handles: list[SaveHandle] = []
+        self._errors: list[SaveFailedError] = []
+        self._unreported: list[SaveFailedError] = []
+        self._errors_lock = threading.Lock()
+        self._closed = False
+        self.last_fetch = FetchReport()
+        self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure)
+        self._previous_engine = engine.checkpoint_engine
+        engine.checkpoint_engine = AsyncCheckpointEngine(self)
+        engine.save_checkpoint = self._engine_save_checkpoint
+        logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
+
+    # ------------------------------------------------------------------ public API
+    def save(self, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> SaveHandle:
+        """Snapshot the engine's state and return; the write and the commit continue in the background.
+
+        ``tag`` defaults to ``global_step{N}``. ``client_state`` is stored in the model-states
+        file as with DeepSpeed (and returned by :meth:`load`). Raises a previous save's failure
+        here when ``on_error="raise"``.
+        """
+        return self._save(self.storage, tag, client_state, save_latest=True)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far is durable and committed (or failed).
+
+        With ``on_error="raise"`` a failure is raised here; with ``"warn"`` it is logged.
+        """
+        self._ensure_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for handle in list(self._handles):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            handle.exception(remaining)
+        self._handles = [h for h in self._handles if not h.done()]
+        self._surface_errors()
+
+    def load(self, tag: str | None = None, *, load_optimizer_states: bool = True,
+             load_lr_scheduler_states: bool = True, load_module_strict: bool = True) -> tuple[str, dict]:
+        """Restore model, optimizer, LR scheduler and client_state from a committed tag.
+
+        ``tag`` defaults to the one ``latest`` names. Uncommitted tags are refused. Returns
+        ``(tag, client_state)``.
+        """
+        self._ensure_open()
+        self.wait()
+        manifest = resolve(self.storage, tag)
+        dp_rank = self._dp_rank()
+        load_dir, self.last_fetch = fetch_for_rank(self.storage, manifest, dp_rank, self.config.cache_dir,
+                                                   self.config.max_concurrency)
+        path, client_state = type(self.engine).load_checkpoint(
+            self.engine, load_dir, manifest.tag, load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states)
+        if path is None:
+            raise CheckpointNotFoundError(f"DeepSpeed found no checkpoint files for tag {manifest.tag!r} in {load_dir}")
+        logger.info("rank %d resumed from %s/%s (step %d)", self.rank, self.storage.url, manifest.tag, manifest.step)
+        return manifest.tag, client_state or {}
+
+    def close(self) -> None:
+        """Finish pending saves, stop the writer thread and give the engine its own checkpoint engine back."""
+        if self._closed:
+            return
+        try:
+            self._await_staging()
+            self._writer.close()
+        finally:
+            self._closed = True
+            self._pool.close()
+            self.engine.checkpoint_engine = self._previous_engine
+            if self.engine.__dict__.get("save_checkpoint") == self._engine_save_checkpoint:
+                del self.engine.save_checkpoint
+            shutil.rmtree(self._shadow, ignore_errors=True)
+        self._surface_errors()
+
+    def __enter__(self) -> "AsyncCheckpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def failures(self) -> list[SaveFailedError]:
+        """Every background failure so far (also those already reported)."""
+        return list(self._errors)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by the staging buffers of this rank."""
+        return self._pool.allocated_bytes
+
+    @property
+    def staging_allocations(self) -> int:
+        """How many staging buffers were ever allocated (flat after the first save)."""
+        return self._pool.allocations
+
+    # ------------------------------------------------------------------ save internals
+    def _save(self, storage: Storage, tag: str | None, client_state: Mapping[str, Any] | None,
+              save_latest: bool, exclude_frozen_parameters: bool = False) -> SaveHandle:
+        self._ensure_open()
+        self._surface_errors()
+        started = time.perf_counter()
+        tag = validate_tag(tag) if tag is not None else f"global_step{self.engine.global_steps}"
+        if client_state is not None and not isinstance(client_state, Mapping):
+            raise UsageError(f"client_state must be a dict, got {type(client_state).__name__}")
+        waited = self._await_buffers()
+        save_id = self._agree(storage, tag)
+        self._session = _Session(storage)
+        try:
+            type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
+                                              save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+            files = self._session.files
+        finally:
+            self._session = None
+        deferred = [pair for f in files for pair in f.deferred]
+        self._staging = self._pool.copy(deferred, background=True)
+        handle = SaveHandle(tag=tag, url=storage.url)
+        job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=self.rank, world_size=self.world_size,
+                      files=files, ticket=self._staging, handle=handle, save_latest=save_latest,
+                      keep_last=self.config.keep_last, metadata=self._metadata(),
+                      tokenizer_dir=self._save_tokenizer(save_id))
+        handle.metrics.update(stall_s=time.perf_counter() - started, buffer_wait_s=waited,
+                              staging_bytes=job.staged_bytes)
+        self._last_job = job
+        self._handles.append(handle)
+        self._writer.submit(job)
+        return handle
+
+    def _agree(self, storage: Storage, tag: str) -> str:
+        """One collective on the training thread: same tag everywhere, a fresh save id, tag not committed."""
+        proposal = None
+        if self.rank == 0:
+            committed = storage.exists(manifest_path(tag))
+            proposal = (uuid.uuid4().hex, committed)
+        if self.world_size == 1:
+            views = [(tag, proposal)]
+        else:
+            views = [None] * self.world_size
+            dist.all_gather_object(views, (tag, proposal))
+        tags = {v[0] for v in views}
+        if len(tags) > 1:
+            raise UsageError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on every rank")
+        save_id, committed = views[0][1]
+        if committed:
+            raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
+                                 "overwrite a good checkpoint. Use a new tag or delete the old one first")
+        return save_id
+
+    def _on_makedirs(self, path: str) -> None:
+        if self._session is None:
+            os.makedirs(path, exist_ok=True)  # a save outside async_ckpt (e.g. save_16bit_model)
+        elif os.path.abspath(path).startswith(self._shadow):
+            os.makedirs(path, exist_ok=True)  # DeepSpeed copies its recovery scripts here; we commit them
+
+    def _on_file(self, state_dict: Any, path: str) -> None:
+        if self._session is None:  # a save DeepSpeed makes outside save_checkpoint: keep it synchronous
+            torch.save(state_dict, path)
+            return
+        relpath = os.path.relpath(path, self._shadow).replace(os.sep, "/")
+        name = relpath.rsplit("/", 1)[-1]
+        defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
+        self._session.files.append(self._pool.snapshot(state_dict, relpath, slot_key=name, defer=defer))
+
+    def _before_optimizer_step(self) -> None:
+        if self._staging is not None and not self._staging.done:
+            started = time.perf_counter()
+            self._staging.wait()
+            if self._last_job is not None:
+                self._last_job.handle.metrics["step_wait_s"] = time.perf_counter() - started
+
+    def _await_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.wait()
+
+    def _await_buffers(self) -> float:
+        """The staging buffers are reused: wait until the previous save no longer reads them."""
+        job = self._last_job
+        if job is None or job.buffers_free.is_set():
+            return 0.0
+        started = time.perf_counter()
+        job.buffers_free.wait()
+        waited = time.perf_counter() - started
+        logger.warning("save() waited %.2f s for the previous save (%s) to finish writing; saves are more "
+                       "frequent than storage can absorb", waited, job.tag)
+        return waited
+
+    def _engine_save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None,
+                                save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Stand-in for ``engine.save_checkpoint`` after wrap: the same call, non-blocking."""
+        key = _normalize(os.fspath(save_dir))
+        storage = self._storages.get(key)
+        if storage is None:
+            storage = self._storages[key] = self._open(os.fspath(save_dir))
+        self._save(storage, None if tag is None else str(tag), client_state, save_latest, exclude_frozen_parameters)
+        return True
+
+    def _open(self, url: str) -> Storage:
+        options = self.config.storage_options if "://" in url else {}
+        storage = open_storage(url, options, fsync=self.config.fsync, part_size=self.config.part_size,
+                               max_concurrency=self.config.max_concurrency)
+        storage.probe()
+        return storage
+
+    def _save_tokenizer(self, save_id: str) -> str | None:
+        if self.tokenizer is None or self.rank != 0:
+            return None
+        path = os.path.join(self._shadow, f"tokenizer-{save_id}")
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    def _metadata(self) -> dict[str, Any]:
+        engine = self.engine
+        dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+        return {
+            "step": int(engine.global_steps),
+            "zero_stage": int(engine.zero_optimization_stage()),
+            "dtype": dtype,
+            "versions": {"async_ckpt": _version, "deepspeed": deepspeed.__version__, "torch": torch.__version__},
+        }
+
+    def _dp_rank(self) -> int:
+        group = getattr(self.engine.optimizer, "dp_process_group", None)
+        return dist.get_rank(group=group) if dist.is_initialized() else 0
+
+    # ------------------------------------------------------------------ errors and lifecycle
+    def _record_failure(self, error: SaveFailedError) -> None:
+        with self._errors_lock:
+            self._errors.append(error)
+            self._unreported.append(error)
+
+    def _surface_errors(self) -> None:
+        with self._errors_lock:
+            pending, self._unreported = self._unreported, []
+        if not pending:
+            return
+        if self.config.on_error == "raise":
+            raise pending[0]
+        for error in pending:
+            logger.warning("an earlier background save failed (training continues, on_error='warn'): %s", error)
+
+    def _on_engine_destroy(self) -> None:
+        if not self._closed:
+            self.close()
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise CheckpointerClosedError("this checkpointer is closed; create a new one with async_ckpt.wrap(engine, url)")
+
+
+def wrap(engine: Any, url: str | os.PathLike[str], *, tokenizer: Any = None, keep_last: int | None = None,
+         storage_options: Mapping[str, Any] | None = None, on_error: OnError = "warn",
+         **options: Any) -> AsyncCheckpointer:
+    """Make a DeepSpeed engine's checkpoint saves non-blocking, writing to ``url``.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` from ``deepspeed.initialize``.
+        url: local/NFS path or fsspec URL (``s3://bucket/run1``) of the checkpoint root.
+        tokenizer: anything with ``save_pretrained(dir)``; saved into each committed tag folder.
+        keep_last: keep only the newest N committed tags.
+        storage_options: passed to fsspec (endpoint, region, credentials...).
+        on_error: ``"warn"`` (log and keep training) or ``"raise"`` (also raise at the next save/wait).
+        **options: any other :class:`CheckpointConfig` field (``overlap_copy``, ``part_size``...).
+
+    The destination is probed (a tiny write and delete) before this returns, so a wrong URL or
+    credentials fail here rather than minutes later in the background.
+    """
+    try:
+        config = CheckpointConfig(url=os.fspath(url), keep_last=keep_last, storage_options=storage_options or {},
+                                  on_error=on_error, **options)
+    except TypeError as exc:
+        raise UsageError(f"wrap(): {exc}; see async_ckpt.CheckpointConfig for the options") from exc
+    return AsyncCheckpointer(engine, config, tokenizer=tokenizer)

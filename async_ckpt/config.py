@@ -1,0 +1,75 @@
+"""All of async_ckpt's settings, in one dataclass validated at construction."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from async_ckpt.errors import ConfigError
+
+OnError = Literal["warn", "raise"]
+MiB = 1024 * 1024
+
+
+def default_cache_dir() -> str:
+    """Where resumes from remote storage keep the files they fetched."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir())
+    return os.path.join(base, "async_ckpt_cache")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Settings of one :class:`~async_ckpt.AsyncCheckpointer`.
+
+    Attributes:
+        url: destination root: a local/NFS path or any fsspec URL (``s3://bucket/run1``).
+        storage_options: passed unchanged to fsspec (endpoint, region, credentials...).
+        keep_last: keep only this many committed tags (older ones are deleted after a newer
+            commit succeeded; never the one ``latest`` names). ``None`` keeps everything.
+        on_error: ``"warn"`` logs a failed background save and keeps training; ``"raise"``
+            additionally raises it from the next ``save()``/``wait()``.
+        overlap_copy: if true, the large optimizer partitions are copied to host memory while the
+            next forward/backward runs, and the next optimizer ``step()`` waits for the copy.
+            Safe for training loops; not safe if you modify optimizer state by hand between
+            ``save()`` and the next ``step()``. False copies everything before ``save()`` returns.
+        fsync: flush file data to stable storage before a file is published (local/NFS).
+        commit_timeout_s: how long a rank waits for the other ranks' files before the save fails.
+        part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum).
+        max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
+        cache_dir: local folder for files fetched from remote storage on resume.
+    """
+
+    url: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    keep_last: int | None = None
+    on_error: OnError = "warn"
+    overlap_copy: bool = False
+    fsync: bool = True
+    commit_timeout_s: float = 1800.0
+    part_size: int = 16 * MiB
+    max_concurrency: int = 8
+    cache_dir: str = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, (str, os.PathLike)) or not str(self.url).strip():
+            raise ConfigError(f"url must be a non-empty path or fsspec URL, got {self.url!r}")
+        object.__setattr__(self, "url", os.fspath(self.url))
+        if self.storage_options is None:
+            object.__setattr__(self, "storage_options", {})
+        if not isinstance(self.storage_options, Mapping):
+            raise ConfigError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
+        if self.keep_last is not None and (isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int)
+                                           or self.keep_last < 1):
+            raise ConfigError(f"keep_last must be a positive integer or None, got {self.keep_last!r}")
+        if self.on_error not in ("warn", "raise"):
+            raise ConfigError(f"on_error must be 'warn' or 'raise', got {self.on_error!r}")
+        if not self.commit_timeout_s > 0:
+            raise ConfigError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s!r}")
+        if not isinstance(self.part_size, int) or self.part_size < 5 * MiB:
+            raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
+        if not isinstance(self.max_concurrency, int) or not 1 <= self.max_concurrency <= 256:
+            raise ConfigError(f"max_concurrency must be an integer in 1..256, got {self.max_concurrency!r}")
+        if not self.cache_dir:
+            raise ConfigError("cache_dir must be a folder path")

@@ -1,0 +1,55 @@
+"""The exceptions async_ckpt raises.
+
+Every error says what went wrong and what to do about it. They share one base class so that a
+training script can catch everything async_ckpt raises with a single ``except AsyncCkptError``.
+"""
+
+from __future__ import annotations
+
+
+class AsyncCkptError(Exception):
+    """Base class of every error raised by async_ckpt."""
+
+
+class ConfigError(AsyncCkptError, ValueError):
+    """An option, URL or argument is invalid. Raised before anything is written."""
+
+
+class InvalidTagError(ConfigError):
+    """A checkpoint tag cannot be used as a folder name on every storage backend."""
+
+
+class TagExistsError(ConfigError):
+    """The tag is already committed; saving again would overwrite a good checkpoint."""
+
+
+class StorageError(AsyncCkptError):
+    """The destination cannot be read or written (missing, unwritable, unreachable)."""
+
+
+class SaveFailedError(AsyncCkptError):
+    """A background save did not reach a commit. The previous checkpoint is intact."""
+
+    def __init__(self, message: str, *, tag: str | None = None) -> None:
+        super().__init__(message)
+        self.tag = tag
+
+
+class CheckpointNotFoundError(AsyncCkptError, FileNotFoundError):
+    """No checkpoint (or no such tag) exists at the destination."""
+
+
+class NotCommittedError(AsyncCkptError):
+    """The tag exists but was never committed: its data may be incomplete."""
+
+
+class VerificationError(AsyncCkptError):
+    """A file's size or checksum does not match the manifest."""
+
+
+class CheckpointerClosedError(AsyncCkptError, RuntimeError):
+    """The checkpointer was closed; create a new one with ``async_ckpt.wrap``."""
+
+
+class UsageError(AsyncCkptError, RuntimeError):
+    """The API was called in a way that cannot work (wrong engine, wrong rank setup...)."""

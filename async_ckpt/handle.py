@@ -1,0 +1,53 @@
+"""The handle ``save()`` returns: completion, result and metrics of one background save."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a committed save reports."""
+
+    tag: str
+    url: str
+    bytes_written: int
+    stall_s: float
+    persist_s: float
+    commit_s: float
+
+    @property
+    def persist_gbps(self) -> float:
+        return self.bytes_written / self.persist_s / 1e9 if self.persist_s > 0 else float("inf")
+
+
+@dataclass
+class SaveHandle:
+    """Tracks one save. ``done()`` is true once it committed or failed.
+
+    ``metrics`` fills in as the save progresses: ``stall_s`` (time the training loop was blocked
+    in ``save()``), ``staging_bytes``, then ``persist_s``, ``bytes_written`` and ``commit_s``.
+    """
+
+    tag: str
+    url: str
+    _future: Future = field(default_factory=Future, repr=False)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """Block until committed; re-raise the background failure (:class:`SaveFailedError`)."""
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def _succeed(self, result: SaveResult) -> None:
+        self._future.set_result(result)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._future.set_exception(exc)

@@ -1,0 +1,39 @@
+"""One save in flight: everything the background writer and the commit need, owned by the job."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_ckpt.handle import SaveHandle
+from async_ckpt.staging import CopyTicket, StagedFile
+from async_ckpt.storage.base import Storage
+
+
+@dataclass
+class SaveJob:
+    tag: str
+    save_id: str
+    storage: Storage
+    rank: int
+    world_size: int
+    files: list[StagedFile]
+    ticket: CopyTicket
+    handle: SaveHandle
+    save_latest: bool
+    keep_last: int | None
+    metadata: dict[str, Any]
+    tokenizer_dir: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    buffers_free: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def release_buffers(self) -> None:
+        """The staged tensors are no longer read: the next save may overwrite them."""
+        self.files = []
+        self.buffers_free.set()

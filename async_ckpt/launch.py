@@ -1,0 +1,119 @@
+"""A persistent group of local ranks for demos, benchmarks and tests.
+
+Starting a DeepSpeed rank costs seconds (process start, ``init_distributed``, imports), so the
+group starts its processes once and then runs any number of picklable functions on every rank.
+If one rank fails while the others wait in a collective, the whole group is torn down and the
+error (with the failing rank's traceback) is raised in the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+from async_ckpt.errors import AsyncCkptError
+
+
+class RankError(AsyncCkptError):
+    """A function failed (or hung) on one of the ranks."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, env: dict[str, str], tasks: Any, results: Any) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+
+        timeout = datetime.timedelta(seconds=float(os.environ.get("ASYNC_CKPT_PG_TIMEOUT_S", "300")))
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+        results.put((rank, True, None))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankGroup:
+    """``world_size`` local processes joined in one gloo process group, reused across calls."""
+
+    def __init__(self, world_size: int = 2, *, env: dict[str, str] | None = None, start_timeout_s: float = 600) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, port, dict(env or {}), self._tasks[r],
+                                                         self._results), name=f"async_ckpt-rank{r}", daemon=True)
+                       for r in range(world_size)]
+        for proc in self._procs:
+            proc.start()
+        self._collect(start_timeout_s, "start")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 900, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        return self._collect(timeout_s, getattr(fn, "__name__", repr(fn)))
+
+    def _collect(self, timeout_s: float, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        failure = None
+        while len(results) < self.world_size:
+            wait = 20.0 if failure else timeout_s  # once a rank failed, its peers are likely stuck
+            try:
+                rank, ok, value = self._results.get(timeout=wait)
+            except queue.Empty:
+                self.close(force=True)
+                missing = sorted(set(range(self.world_size)) - set(results))
+                raise RankError(failure or f"{what}: ranks {missing} did not answer within {wait:.0f} s") from None
+            if not ok and failure is None:
+                failure = f"{what} failed on rank {rank}:\n{value}"
+            results[rank] = value
+        if failure:
+            raise RankError(failure)
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        for proc, q in zip(self._procs, self._tasks):
+            if proc.is_alive() and not force:
+                q.put(None)
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def __enter__(self) -> "RankGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

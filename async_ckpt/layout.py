@@ -1,0 +1,74 @@
+"""Names of everything async_ckpt puts next to DeepSpeed's own files.
+
+DeepSpeed's tools find checkpoint files by glob (``*_model_states.pt``, ``*_optim_states.pt``) and
+by regex (``zero_pp_rank_(\\d+)_mp_rank_(\\d+)``), so nothing written here may match those
+patterns: temporary files end in ``.partial``, bookkeeping lives under ``.async_ckpt/``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from async_ckpt.errors import InvalidTagError
+
+LATEST = "latest"
+MANIFEST = "async_ckpt_manifest.json"
+MARKER_DIR = ".async_ckpt"
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
+_MAX_TAG_LEN = 200
+_RANK_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_")
+
+
+def validate_tag(tag: object) -> str:
+    """Return ``tag`` as a string, or raise if it is not a safe single folder name.
+
+    A tag becomes one path component locally and one key prefix on object stores, so separators,
+    ``..``, leading dots and whitespace are refused rather than silently escaped.
+    """
+    text = str(tag) if tag is not None else ""
+    if not text:
+        raise InvalidTagError("checkpoint tag is empty; pass a name such as 'global_step100' or tag=None")
+    if len(text) > _MAX_TAG_LEN:
+        raise InvalidTagError(f"checkpoint tag is {len(text)} characters; use at most {_MAX_TAG_LEN}")
+    if "/" in text or "\\" in text or ".." in text or not _TAG_RE.match(text):
+        raise InvalidTagError(
+            f"checkpoint tag {text!r} is not a plain folder name; use letters, digits and "
+            "'._+=-' only, starting with a letter or digit (no '/', '\\' or '..')"
+        )
+    return text
+
+
+def marker_prefix(tag: str, save_id: str) -> str:
+    """Folder holding the per-rank completion markers of one save attempt."""
+    return f"{tag}/{MARKER_DIR}/{save_id}"
+
+
+def rank_marker(tag: str, save_id: str, rank: int, *, failed: bool = False) -> str:
+    suffix = ".failed.json" if failed else ".json"
+    return f"{marker_prefix(tag, save_id)}/rank-{rank:05d}{suffix}"
+
+
+def manifest_path(tag: str) -> str:
+    return f"{tag}/{MANIFEST}"
+
+
+def files_for_rank(paths: list[str], dp_rank: int) -> list[str]:
+    """Of a tag's DeepSpeed files, those rank ``dp_rank`` reads in ``load_checkpoint``.
+
+    Files named ``zero_pp_rank_N_`` belong to rank N (its optimizer shard, and its ZeRO-3 model
+    states); every other ``*_model_states.pt`` (ZeRO-1/2's single model file) is read by all ranks.
+    """
+    wanted = []
+    for path in paths:
+        name = path.rsplit("/", 1)[-1]
+        if not name.endswith(".pt"):
+            continue
+        owner = _RANK_FILE_RE.search(name)
+        if owner is None:
+            if name.endswith("_model_states.pt"):
+                wanted.append(path)
+        elif int(owner.group(1)) == dp_rank:
+            wanted.append(path)
+    return wanted

@@ -1,0 +1,69 @@
+"""The manifest: the commit record of one tag.
+
+A tag is committed exactly when its manifest exists. It lists every file of the tag with size
+and CRC-32, so a load can verify what it reads and a crashed save can be told apart from a good
+one without trusting ``latest``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT = "async_ckpt/1"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a tag; ``path`` is relative to the tag folder."""
+
+    path: str
+    size: int
+    crc32: str
+    rank: int
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FileEntry":
+        return cls(path=data["path"], size=int(data["size"]), crc32=data["crc32"], rank=int(data["rank"]))
+
+
+@dataclass
+class Manifest:
+    tag: str
+    step: int
+    world_size: int
+    zero_stage: int
+    dtype: str
+    files: list[FileEntry]
+    versions: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    created_unix: float = 0.0
+    save_id: str = ""
+    format: str = FORMAT
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def entry(self, path: str) -> FileEntry | None:
+        return next((f for f in self.files if f.path == path), None)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "Manifest":
+        data = json.loads(raw)
+        if data.get("format") != FORMAT:
+            raise ValueError(f"unknown manifest format {data.get('format')!r} (expected {FORMAT!r})")
+        data["files"] = [FileEntry.from_dict(f) for f in data["files"]]
+        return cls(**data)
+
+
+def encode_entries(entries: list[FileEntry]) -> bytes:
+    return json.dumps([asdict(e) for e in entries]).encode()
+
+
+def decode_entries(raw: bytes) -> list[FileEntry]:
+    return [FileEntry.from_dict(e) for e in json.loads(raw)]

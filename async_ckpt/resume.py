@@ -1,0 +1,116 @@
+"""Resume: pick a committed tag and put the files this rank needs where DeepSpeed can read them.
+
+DeepSpeed's ``load_checkpoint`` discovers files with local ``glob``/``os.path.exists``, so it can
+only read a local folder. Local and NFS roots are read in place; any other storage is fetched
+into a cache folder first: only the files this rank reads, verified against the manifest, and
+skipped when a verified copy is already cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from async_ckpt.catalog import list_tags, read_latest, read_manifest
+from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
+from async_ckpt.layout import LATEST, files_for_rank, validate_tag
+from async_ckpt.manifest import FileEntry, Manifest
+from async_ckpt.serialization import crc32_of_stream
+from async_ckpt.storage.base import Storage
+
+logger = logging.getLogger("async_ckpt")
+
+
+@dataclass
+class FetchReport:
+    """What a resume read from remote storage (zero everywhere for local roots)."""
+
+    files_fetched: int = 0
+    bytes_fetched: int = 0
+    files_cached: int = 0
+    seconds: float = 0.0
+
+
+def resolve(storage: Storage, tag: str | None) -> Manifest:
+    """The manifest of ``tag`` (default: the tag ``latest`` names), refusing uncommitted tags."""
+    if tag is None:
+        tag = read_latest(storage)
+        if tag is None:
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {storage.url}: there is no 'latest' file. Pass tag=... or check the URL")
+    else:
+        tag = validate_tag(tag)
+    manifest = read_manifest(storage, tag)
+    if manifest is not None:
+        return manifest
+    if storage.list_dir(tag):
+        raise NotCommittedError(
+            f"tag {tag!r} at {storage.url} was never committed (no manifest): its save did not finish "
+            "on every rank, so its data may be incomplete. Load another tag")
+    known = [t.tag for t in list_tags(storage) if t.committed]
+    raise CheckpointNotFoundError(f"tag {tag!r} not found at {storage.url}; committed tags: {known or 'none'}")
+
+
+def _verify_local(path: str, entry: FileEntry) -> str | None:
+    """None if the local file matches the manifest entry, else what is wrong."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return "missing"
+    if size != entry.size:
+        return f"size {size} != expected {entry.size}"
+    with open(path, "rb") as fh:
+        _, crc = crc32_of_stream(fh)
+    return None if crc == entry.crc32 else f"crc32 {crc} != expected {entry.crc32}"
+
+
+def cache_root(cache_dir: str, url: str) -> str:
+    """A cache folder per storage URL, so two runs never share (or clobber) cached files."""
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, digest)
+
+
+def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, cache_dir: str,
+                   max_concurrency: int) -> tuple[str, FetchReport]:
+    """Fetch what ``dp_rank`` needs of ``manifest`` into the cache; return the folder to load from."""
+    local = storage.local_dir()
+    if local is not None:
+        return local, FetchReport()
+    started = time.perf_counter()
+    root = cache_root(cache_dir, storage.url)
+    tag_dir = os.path.join(root, manifest.tag)
+    os.makedirs(tag_dir, exist_ok=True)
+    wanted = [manifest.entry(p) for p in files_for_rank([f.path for f in manifest.files], dp_rank)]
+    report = FetchReport()
+
+    def fetch(entry: FileEntry) -> tuple[int, int]:
+        dest = os.path.join(tag_dir, *entry.path.split("/"))
+        if _verify_local(dest, entry) is None:
+            return 0, 0
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = f"{dest}.partial"
+        storage.get_file(f"{manifest.tag}/{entry.path}", tmp)
+        problem = _verify_local(tmp, entry)
+        if problem is not None:
+            os.unlink(tmp)
+            raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: {problem}; the stored "
+                                    "file is corrupt or was changed after the commit")
+        os.replace(tmp, dest)
+        return 1, entry.size
+
+    with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="async_ckpt-fetch") as pool:
+        for fetched, nbytes in pool.map(fetch, [w for w in wanted if w is not None]):
+            report.files_fetched += fetched
+            report.bytes_fetched += nbytes
+            report.files_cached += 1 - fetched
+    with open(os.path.join(root, LATEST), "w") as fh:
+        fh.write(manifest.tag)
+    report.seconds = time.perf_counter() - started
+    logger.info("rank %d fetched %d file(s), %.3f GB of tag %s (%d already cached) in %.2f s",
+                dp_rank, report.files_fetched, report.bytes_fetched / 1e9, manifest.tag,
+                report.files_cached, report.seconds)
+    return root, report

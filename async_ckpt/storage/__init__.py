@@ -1,0 +1,44 @@
+"""Storage backends, one per module, chosen from the destination URL by :func:`open_storage`."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import fsspec
+from fsspec.core import split_protocol
+
+from async_ckpt.errors import ConfigError
+from async_ckpt.storage.base import Storage
+from async_ckpt.storage.fsspec_store import FsspecStorage
+from async_ckpt.storage.local import LocalStorage
+
+__all__ = ["Storage", "FsspecStorage", "LocalStorage", "open_storage"]
+
+_LOCAL_PROTOCOLS = (None, "file", "local")
+
+
+def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
+                 part_size: int | None = None, max_concurrency: int | None = None) -> Storage:
+    """The backend for ``url``: local/NFS paths, ``s3://``, or any other fsspec protocol."""
+    protocol, path = split_protocol(url)
+    options = dict(storage_options or {})
+    if protocol in _LOCAL_PROTOCOLS:
+        if options:
+            raise ConfigError(f"storage_options {sorted(options)} do not apply to the local path {url!r}")
+        return LocalStorage(path, fsync=fsync)
+    if not path or not path.strip("/"):
+        raise ConfigError(f"URL {url!r} names no bucket or folder; use e.g. {protocol}://bucket/run1")
+    if protocol in ("s3", "s3a"):
+        from async_ckpt.storage.s3 import S3Storage
+
+        return S3Storage(url, options, part_size=part_size, max_concurrency=max_concurrency)
+    try:
+        fs_cls = fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"cannot open {url!r}: {exc}. Install the fsspec backend for "
+                          f"'{protocol}://' or fix the URL") from exc
+    try:
+        fs = fs_cls(**options)
+    except TypeError as exc:
+        raise ConfigError(f"storage_options for {protocol}:// are invalid: {exc}") from exc
+    return FsspecStorage(fs, fs_cls._strip_protocol(url), url)

@@ -1,0 +1,105 @@
+"""The storage interface every backend implements.
+
+A :class:`Storage` is one checkpoint root; every path is relative to it and uses ``/``. The one
+promise that makes commits safe is in :meth:`Storage.open_write`: a file is visible under its
+final name only once it is complete (and durable, where the backend can say so).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import uuid
+from typing import BinaryIO, Iterator
+
+from async_ckpt.errors import StorageError
+
+
+class Storage(abc.ABC):
+    """One checkpoint root on some filesystem or object store."""
+
+    #: ``True`` where a finished write is durable once ``open_write`` returns (fsync'd local files,
+    #: completed object uploads).
+    durable_writes: bool = True
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    @abc.abstractmethod
+    def open_write(self, relpath: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A writable stream that publishes ``relpath`` atomically when the block exits cleanly.
+
+        If the block raises, nothing appears under ``relpath`` and partial data is removed.
+        """
+
+    @abc.abstractmethod
+    def read_bytes(self, relpath: str) -> bytes:
+        """The whole content of a (small) file; ``FileNotFoundError`` if it does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, relpath: str) -> bool: ...
+
+    @abc.abstractmethod
+    def size(self, relpath: str) -> int: ...
+
+    @abc.abstractmethod
+    def list_dir(self, relpath: str = "") -> list[str]:
+        """Names (not paths) of the direct children of a folder; empty if it does not exist."""
+
+    @abc.abstractmethod
+    def delete(self, relpath: str, *, recursive: bool = False) -> None:
+        """Remove a file (or a folder with ``recursive``); a missing path is not an error."""
+
+    @abc.abstractmethod
+    def get_file(self, relpath: str, local_path: str) -> None:
+        """Copy ``relpath`` to a local file."""
+
+    def local_dir(self) -> str | None:
+        """The root as a local folder, when DeepSpeed can read it in place; else ``None``."""
+        return None
+
+    def write_bytes(self, relpath: str, data: bytes) -> None:
+        """Atomically publish a small file."""
+        with self.open_write(relpath) as stream:
+            stream.write(data)
+
+    def open_read(self, relpath: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A readable binary stream (used to verify checksums without a download)."""
+        raise NotImplementedError
+
+    def probe(self) -> None:
+        """Check, cheaply and before any save, that the root can be written and read back.
+
+        Raises :class:`StorageError` naming the URL and the likely fix.
+        """
+        name = f".async_ckpt-probe-{uuid.uuid4().hex}"
+        try:
+            self.write_bytes(name, b"ok")
+            if self.read_bytes(name) != b"ok":
+                raise OSError("the probe file read back different bytes")
+        except StorageError:
+            raise
+        except Exception as exc:  # every backend raises its own exception types
+            raise StorageError(
+                f"cannot write checkpoints to {self.url}: {type(exc).__name__}: {exc}. "
+                "Check that the path or bucket exists, is writable by this user, and that "
+                "storage_options (endpoint, credentials) are right."
+            ) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                self.delete(name)
+
+    def iter_files(self, relpath: str) -> Iterator[str]:
+        """Every file below a folder, as paths relative to the root."""
+        for name in self.list_dir(relpath):
+            child = f"{relpath}/{name}" if relpath else name
+            if self.is_dir(child):
+                yield from self.iter_files(child)
+            else:
+                yield child
+
+    @abc.abstractmethod
+    def is_dir(self, relpath: str) -> bool: ...

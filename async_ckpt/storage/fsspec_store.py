@@ -1,0 +1,92 @@
+"""Storage on any fsspec filesystem: the generic backend.
+
+Used for every protocol without a dedicated backend (NFS mounts use :mod:`.local`, S3 uses
+:mod:`.s3`). Files are written under a temporary ``.partial`` name and moved into place, so a
+reader never sees half a file under a name DeepSpeed's globs match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+import uuid
+from typing import BinaryIO, Iterator
+
+import fsspec
+
+from async_ckpt.storage.base import Storage
+
+
+class FsspecStorage(Storage):
+    """A checkpoint root on an fsspec filesystem ``fs`` at ``root`` (protocol stripped)."""
+
+    #: Object stores publish an object only when its upload completes, so they write in place.
+    writes_in_place: bool = False
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+        super().__init__(url)
+        self.fs = fs
+        self.root = root.rstrip("/")
+
+    def full_path(self, relpath: str) -> str:
+        return f"{self.root}/{relpath}" if relpath else self.root
+
+    @contextlib.contextmanager
+    def open_write(self, relpath: str) -> Iterator[BinaryIO]:
+        final = self.full_path(relpath)
+        parent = posixpath.dirname(final)
+        if not self.writes_in_place:
+            self.fs.makedirs(parent, exist_ok=True)
+        target = final if self.writes_in_place else f"{final}.{uuid.uuid4().hex[:12]}.partial"
+        stream = self.fs.open(target, "wb")
+        try:
+            yield stream
+        except BaseException:
+            discard = getattr(stream, "discard", None)
+            with contextlib.suppress(Exception):
+                discard() if discard is not None else stream.close()
+            if not self.writes_in_place:
+                with contextlib.suppress(Exception):
+                    self.fs.rm(target)
+            raise
+        stream.close()
+        if not self.writes_in_place:
+            self.fs.mv(target, final)
+
+    @contextlib.contextmanager
+    def open_read(self, relpath: str) -> Iterator[BinaryIO]:
+        with self.fs.open(self.full_path(relpath), "rb") as stream:
+            yield stream
+
+    def read_bytes(self, relpath: str) -> bytes:
+        return self.fs.cat_file(self.full_path(relpath))
+
+    def exists(self, relpath: str) -> bool:
+        return self.fs.exists(self.full_path(relpath))
+
+    def size(self, relpath: str) -> int:
+        return int(self.fs.size(self.full_path(relpath)))
+
+    def is_dir(self, relpath: str) -> bool:
+        return self.fs.isdir(self.full_path(relpath))
+
+    def list_dir(self, relpath: str = "") -> list[str]:
+        path = self.full_path(relpath)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        prefix = path.rstrip("/") + "/"
+        names = [e.rstrip("/")[len(prefix):] if e.startswith(prefix) else posixpath.basename(e.rstrip("/"))
+                 for e in entries]
+        return sorted(n for n in names if n)
+
+    def delete(self, relpath: str, *, recursive: bool = False) -> None:
+        path = self.full_path(relpath)
+        try:
+            self.fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            pass
+
+    def get_file(self, relpath: str, local_path: str) -> None:
+        self.fs.get_file(self.full_path(relpath), local_path)

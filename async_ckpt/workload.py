@@ -1,0 +1,102 @@
+"""A small GPT-style DeepSpeed training workload: the demo, the benchmark and the tests train it.
+
+Everything is built locally and deterministically (random-init model from a config, tokenizer
+trained on an embedded text), so runs need no network and two runs of the same steps give
+bitwise the same losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CORPUS = """\
+Checkpoints exist for the day things break. A long training run writes its state every few
+hundred steps, and the write must not stop the run. The optimizer holds twelve bytes for every
+parameter: the master weights and two moments of Adam. ZeRO splits those bytes across the ranks,
+so every rank writes its own shard, and a commit makes the shards one checkpoint. The latest file
+names the newest checkpoint whose every shard is durable. Object storage keeps checkpoints when
+machines come and go; a fresh job fetches only the shard it needs and resumes where the last left.
+""" * 4
+
+SIZES = {
+    # name: (n_layer, n_embd, n_head, seq_len)
+    "tiny": (2, 64, 4, 32),
+    "small": (4, 256, 4, 64),
+    "bench": (10, 1024, 16, 64),
+}
+
+
+def build_tokenizer() -> Any:
+    """A byte-level BPE tokenizer trained on :data:`CORPUS`, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def ds_config(stage: int, dtype: str = "fp32", *, micro_batch: int = 2, lr: float = 1e-3) -> dict[str, Any]:
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": dtype == "bf16"},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1_000_000,
+        "checkpoint": {"tag_validation": "FAIL"},
+    }
+
+
+def build_model(size: str = "tiny", vocab_size: int = 320, seed: int = 0) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_layer, n_embd, n_head, seq_len = SIZES[size]
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def make_engine(stage: int, dtype: str = "fp32", *, size: str = "tiny", seed: int = 0) -> Any:
+    """``deepspeed.initialize`` on the workload model; every rank must call it."""
+    import deepspeed
+
+    model = build_model(size, seed=seed)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage, dtype))
+    return engine
+
+
+def token_stream(tokenizer: Any = None) -> torch.Tensor:
+    tokenizer = tokenizer or build_tokenizer()
+    return torch.tensor(tokenizer(CORPUS)["input_ids"], dtype=torch.long)
+
+
+def batch(step: int, rank: int, engine: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """The micro-batch of ``rank`` at ``step``: the same on every run, different across ranks."""
+    seq_len = engine.module.config.n_positions
+    gen = torch.Generator().manual_seed(step * 1009 + rank)
+    starts = torch.randint(0, tokens.numel() - seq_len - 1, (engine.train_micro_batch_size_per_gpu(),), generator=gen)
+    return torch.stack([tokens[s:s + seq_len] for s in starts.tolist()])
+
+
+def train(engine: Any, steps: int, tokens: torch.Tensor, rank: int) -> list[float]:
+    """Run ``steps`` optimizer steps from the engine's current step; return the losses."""
+    losses = []
+    for _ in range(steps):
+        ids = batch(int(engine.global_steps), rank, engine, tokens)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    return losses

@@ -1,0 +1,100 @@
+"""The background writer: one thread per rank that persists and commits saves in order.
+
+The thread owns its work end to end: it waits for the staging copies, streams every file through
+the job's storage, publishes this rank's completion, takes part in the commit, and resolves the
+save handle. It never touches the training process group. Failures are caught here, logged once
+with the tag, the rank and the cause, and handed to ``on_failure``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from async_ckpt import commit
+from async_ckpt.errors import SaveFailedError
+from async_ckpt.handle import SaveResult
+from async_ckpt.job import SaveJob
+from async_ckpt.manifest import FileEntry
+from async_ckpt.serialization import write_torch_file
+
+logger = logging.getLogger("async_ckpt")
+
+
+class BackgroundWriter:
+    def __init__(self, rank: int, commit_timeout_s: float,
+                 on_failure: Callable[[SaveFailedError], None]) -> None:
+        self._rank = rank
+        self._commit_timeout_s = commit_timeout_s
+        self._on_failure = on_failure
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"async_ckpt-writer-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> None:
+        self._queue.put(job)
+
+    def close(self) -> None:
+        """Finish the queued saves, then stop and join the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._execute(job)
+
+    def _execute(self, job: SaveJob) -> None:
+        written: list[FileEntry] = []
+        metrics = job.handle.metrics
+        current = "staging copies"
+        try:
+            job.ticket.wait()
+            started = time.perf_counter()
+            for staged in job.files:
+                current = staged.relpath
+                written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag, rank=job.rank))
+            job.release_buffers()
+            metrics["persist_s"] = time.perf_counter() - started
+            metrics["bytes_written"] = sum(e.size for e in written)
+            current = "the commit"
+            commit.publish_rank(job, written)
+            manifest = commit.await_commit(job, self._commit_timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
+            job.release_buffers()
+            self._fail(job, exc, written, current)
+            return
+        metrics["durable_s"] = time.perf_counter() - job.started
+        result = SaveResult(tag=job.tag, url=job.storage.url, bytes_written=metrics["bytes_written"],
+                            stall_s=metrics.get("stall_s", 0.0), persist_s=metrics["persist_s"],
+                            commit_s=metrics.get("commit_s", 0.0))
+        if job.rank == 0:
+            logger.info("saved %s to %s: %.3f GB total, stall %.3f s, persist %.2f s (%.2f GB/s on rank 0), "
+                        "durable after %.2f s", job.tag, job.storage.url, manifest.total_bytes / 1e9,
+                        result.stall_s, result.persist_s, result.persist_gbps, metrics["durable_s"])
+        job.handle._succeed(result)
+
+    def _fail(self, job: SaveJob, exc: BaseException, written: list[FileEntry], current: str) -> None:
+        commit.publish_failure(job, exc)
+        for entry in written:  # best effort: the tag failed, its files are garbage
+            try:
+                job.storage.delete(f"{job.tag}/{entry.path}")
+            except Exception as cleanup_exc:
+                logger.debug("could not remove %s: %s", entry.path, cleanup_exc)
+        if isinstance(exc, SaveFailedError):
+            error = exc
+        else:
+            error = SaveFailedError(
+                f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} during {current}: "
+                f"{type(exc).__name__}: {exc}. The previous checkpoint and 'latest' are unchanged.",
+                tag=job.tag)
+            error.__cause__ = exc
+        logger.error("%s", error)
+        job.handle._fail(error)
+        self._on_failure(error)
