@@ -1,0 +1,192 @@
+"""Functions the tests run on every rank of a :class:`RankGroup` (they must be importable by name)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import async_ckpt
+from async_ckpt import workload
+
+logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+STEPS_BEFORE = 3
+STEPS_AFTER = 3
+CLIENT_STATE = {"epoch": 7, "note": "resume me", "schedule": [1, 2, 3]}
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def _tokens():
+    return workload.token_stream()
+
+
+def _outcome(fn):
+    """Run ``fn``; return ``None`` or ``(exception class name, message)``."""
+    try:
+        fn()
+    except Exception as exc:  # the test asserts on the type and message
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def save_stock_and_async(stage: int, dtype: str, root: str) -> dict:
+    """Train, save the same step with stock DeepSpeed and with async_ckpt, keep training while it persists."""
+    tokens = _tokens()
+    engine = workload.make_engine(stage, dtype)
+    workload.train(engine, STEPS_BEFORE, tokens, _rank())
+    type(engine).save_checkpoint(engine, f"{root}/stock", client_state=dict(CLIENT_STATE))
+    ckpt = async_ckpt.wrap(engine, f"{root}/async", tokenizer=workload.build_tokenizer())
+    handle = ckpt.save(client_state=dict(CLIENT_STATE))
+    losses = workload.train(engine, STEPS_AFTER, tokens, _rank())
+    result = handle.result(timeout=120)
+    ckpt.close()
+    return {"tag": result.tag, "losses_after": losses}
+
+
+def resume_and_train(stage: int, dtype: str, root: str, use_async: bool) -> dict:
+    """A fresh engine (different init) restores the checkpoint and trains on."""
+    engine = workload.make_engine(stage, dtype, seed=1234)
+    if use_async:
+        with async_ckpt.wrap(engine, root) as ckpt:
+            tag, client_state = ckpt.load()
+    else:
+        _, client_state = engine.load_checkpoint(root)
+        tag = None
+    losses = workload.train(engine, STEPS_AFTER, _tokens(), _rank())
+    client_state = {k: client_state[k] for k in CLIENT_STATE if k in client_state}
+    return {"tag": tag, "losses": losses, "client_state": client_state, "step": int(engine.global_steps)}
+
+
+def save_while_storage_is_gated(root: str, gate: str) -> dict:
+    """Steps run while every rank's write is held; the commit lands once the gate opens."""
+    from faulty_fs import register
+
+    register()
+    tokens = _tokens()
+    engine = workload.make_engine(3, "fp32")
+    workload.train(engine, 1, tokens, _rank())
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate})
+    handle = ckpt.save()
+    losses = workload.train(engine, 3, tokens, _rank())
+    seen = {"steps_done": len(losses), "done_during_steps": handle.done(),
+            "latest_during_steps": os.path.exists(f"{root}/latest")}
+    dist.barrier()
+    if _rank() == 0:
+        open(gate, "w").close()
+    result = handle.result(timeout=120)
+    seen.update(latest_after=open(f"{root}/latest").read(), tag=result.tag)
+    ckpt.close()
+    return seen
+
+
+def commit_waits_for_every_rank(root: str, gate: str) -> dict:
+    """Rank 1's write is held: rank 0's files are durable, yet nothing is committed until rank 1's are."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate, "gate_ranks": [1]},
+                           tokenizer=workload.build_tokenizer())
+    first = ckpt.save(tag="first")
+    seen: dict = {}
+    if _rank() == 0:
+        deadline = time.monotonic() + 60
+        while not glob.glob(f"{root}/first/.async_ckpt/*/rank-00000.json") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["rank0_durable"] = bool(glob.glob(f"{root}/first/.async_ckpt/*/rank-00000.json"))
+        seen["latest_before"] = os.path.exists(f"{root}/latest")
+        seen["manifest_before"] = os.path.exists(f"{root}/first/async_ckpt_manifest.json")
+        seen["tokenizer_before"] = os.path.exists(f"{root}/first/tokenizer.json")
+        open(gate, "w").close()
+    first.result(timeout=120)
+    seen["latest_after"] = open(f"{root}/latest").read()
+    seen["tokenizer_after"] = os.path.exists(f"{root}/first/tokenizer.json")
+    ckpt.close()
+    return seen
+
+
+def snapshot_ignores_later_mutation(root: str, overlap: bool) -> dict:
+    """Mutate the live state right after save(); the checkpoint must hold the values at save time."""
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 2, _tokens(), _rank())
+    type(engine).save_checkpoint(engine, f"{root}/reference")
+    ckpt = async_ckpt.wrap(engine, f"{root}/async", overlap_copy=overlap)
+    handle = ckpt.save()
+    if overlap:  # the optimizer step is what may change state; it must wait for the copy
+        workload.train(engine, 1, _tokens(), _rank())
+    else:
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.add_(1.0)
+            for group in engine.optimizer.single_partition_of_fp32_groups:
+                group.add_(1.0)
+            for state in engine.optimizer.optimizer.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value) and value.is_floating_point():
+                        value.add_(1.0)
+    handle.result(timeout=120)
+    ckpt.close()
+    return {"tag": handle.tag}
+
+
+def bad_inputs(root: str, not_a_dir: str) -> dict:
+    """Every misuse gives a typed error; returns ``{case: (error type, message)}`` and what was written."""
+    engine = workload.make_engine(1, "fp32")
+    out: dict = {}
+    out["unwritable_destination"] = _outcome(lambda: async_ckpt.wrap(engine, f"{not_a_dir}/ckpt"))
+    out["bad_keep_last"] = _outcome(lambda: async_ckpt.wrap(engine, root, keep_last=0))
+    out["bad_on_error"] = _outcome(lambda: async_ckpt.wrap(engine, root, on_error="explode"))
+    out["unknown_option"] = _outcome(lambda: async_ckpt.wrap(engine, root, overlap=True))
+    ckpt = async_ckpt.wrap(engine, root)
+    before = sorted(os.listdir(root))
+    for name, tag in {"empty_tag": "", "slash_tag": "a/b", "dotdot_tag": "..", "parent_tag": "../escape",
+                      "backslash_tag": "a\\b", "space_tag": " x"}.items():
+        out[name] = _outcome(lambda t=tag: ckpt.save(tag=t))
+    out["written_after_bad_tags"] = sorted(os.listdir(root)) != before
+    out["load_when_empty"] = _outcome(lambda: ckpt.load())
+    ckpt.save(tag="good").result(timeout=60)
+    out["resave_committed_tag"] = _outcome(lambda: ckpt.save(tag="good"))
+    out["load_missing_tag"] = _outcome(lambda: ckpt.load(tag="nope"))
+    if _rank() == 0:
+        os.makedirs(f"{root}/partial", exist_ok=True)
+        open(f"{root}/partial/zero_pp_rank_0_mp_rank_00_optim_states.pt", "wb").close()
+    dist.barrier()
+    out["load_uncommitted_tag"] = _outcome(lambda: ckpt.load(tag="partial"))
+    ckpt.close()
+    out["save_after_close"] = _outcome(lambda: ckpt.save())
+    out["wait_after_close"] = _outcome(lambda: ckpt.wait())
+    return out
+
+
+def failing_write_keeps_previous(root: str, on_error: str) -> dict:
+    """Rank 1's data write fails (ENOSPC): the tag fails on every rank; 'latest' keeps the previous tag."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    tokens = _tokens()
+    workload.train(engine, 1, tokens, _rank())
+    good = async_ckpt.wrap(engine, f"faulty://{root}")
+    good.save(tag="good").result(timeout=60)
+    good.close()
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"fail_ranks": [1]}, on_error=on_error)
+    handle = ckpt.save(tag="bad")
+    error = handle.exception(timeout=120)
+    dist.barrier()
+    seen = {"handle_error": (type(error).__name__, str(error)) if error else None,
+            "latest": open(f"{root}/latest").read(),
+            "bad_manifest": os.path.exists(f"{root}/bad/async_ckpt_manifest.json"),
+            "bad_data_files": sorted(os.path.basename(p) for p in glob.glob(f"{root}/bad/*.pt*"))}
+    workload.train(engine, 1, tokens, _rank())
+    seen["next_save"] = _outcome(lambda: ckpt.save(tag="after"))
+    ckpt.close() if on_error == "warn" else _outcome(ckpt.close)
+    return seen

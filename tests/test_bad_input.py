@@ -1,0 +1,78 @@
+"""Bad input gets a clear, typed error before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+
+import async_ckpt
+import rank_tasks
+from async_ckpt import CheckpointConfig, ConfigError
+
+
+@pytest.fixture(scope="module")
+def outcomes(ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    not_a_dir = root / "plain-file"
+    not_a_dir.write_text("x")
+    (root / "ckpt").mkdir()
+    results = ranks.run(rank_tasks.bad_inputs, str(root / "ckpt"), str(not_a_dir))
+    assert results[0].keys() == results[1].keys()
+    return results
+
+
+@pytest.mark.parametrize("case", ["empty_tag", "slash_tag", "dotdot_tag", "parent_tag", "backslash_tag", "space_tag"])
+def test_invalid_tag_is_refused_on_every_rank(outcomes, case):
+    for rank in outcomes:
+        assert rank[case][0] == "InvalidTagError"
+        assert "tag" in rank[case][1]
+
+
+def test_invalid_tags_write_nothing(outcomes):
+    assert [r["written_after_bad_tags"] for r in outcomes] == [False, False]
+
+
+def test_unwritable_destination_fails_at_wrap(outcomes):
+    kind, message = outcomes[0]["unwritable_destination"]
+    assert kind == "StorageError" and "plain-file" in message
+
+
+@pytest.mark.parametrize("case,kind", [("bad_keep_last", "ConfigError"), ("bad_on_error", "ConfigError"),
+                                       ("unknown_option", "UsageError")])
+def test_invalid_option_fails_at_wrap(outcomes, case, kind):
+    assert outcomes[0][case][0] == kind
+
+
+def test_load_without_any_checkpoint_says_so(outcomes):
+    kind, message = outcomes[0]["load_when_empty"]
+    assert kind == "CheckpointNotFoundError" and "latest" in message
+
+
+def test_load_of_a_missing_tag_lists_the_committed_ones(outcomes):
+    kind, message = outcomes[0]["load_missing_tag"]
+    assert kind == "CheckpointNotFoundError" and "'nope'" in message and "good" in message
+
+
+def test_load_of_an_uncommitted_tag_is_refused(outcomes):
+    kind, message = outcomes[1]["load_uncommitted_tag"]
+    assert kind == "NotCommittedError" and "partial" in message
+
+
+def test_saving_a_committed_tag_again_is_refused(outcomes):
+    assert [r["resave_committed_tag"][0] for r in outcomes] == ["TagExistsError"] * 2
+
+
+@pytest.mark.parametrize("case", ["save_after_close", "wait_after_close"])
+def test_use_after_close_is_refused(outcomes, case):
+    assert outcomes[0][case][0] == "CheckpointerClosedError"
+
+
+@pytest.mark.parametrize("kwargs", [dict(url=""), dict(url="x", part_size=1024), dict(url="x", max_concurrency=0),
+                                    dict(url="x", commit_timeout_s=0), dict(url="x", keep_last=True)])
+def test_config_is_validated_at_construction(kwargs):
+    with pytest.raises(ConfigError):
+        CheckpointConfig(**kwargs)
+
+
+def test_errors_share_one_base_class():
+    assert issubclass(async_ckpt.InvalidTagError, async_ckpt.AsyncCkptError)
+    assert issubclass(async_ckpt.SaveFailedError, async_ckpt.AsyncCkptError)

@@ -1,0 +1,68 @@
+"""Training goes on while a save persists; nothing is committed before every rank's data is durable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rank_tasks
+
+
+def test_training_steps_complete_while_the_write_is_held(ranks, tmp_path):
+    out = ranks.run(rank_tasks.save_while_storage_is_gated, str(tmp_path / "ckpt"), str(tmp_path / "gate"))
+    for rank in out:
+        assert rank["steps_done"] == 3
+        assert rank["done_during_steps"] is False
+        assert rank["latest_during_steps"] is False
+
+
+def test_commit_lands_after_the_held_write_completes(ranks, tmp_path):
+    out = ranks.run(rank_tasks.save_while_storage_is_gated, str(tmp_path / "ckpt"), str(tmp_path / "gate"))
+    assert [r["latest_after"] for r in out] == [out[0]["tag"]] * 2
+
+
+@pytest.fixture(scope="module")
+def one_rank_held(ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("held")
+    return ranks.run(rank_tasks.commit_waits_for_every_rank, str(root / "ckpt"), str(root / "gate"))[0]
+
+
+def test_latest_is_absent_while_another_rank_is_still_writing(one_rank_held):
+    assert one_rank_held["rank0_durable"] is True
+    assert one_rank_held["latest_before"] is False
+    assert one_rank_held["manifest_before"] is False
+
+
+def test_latest_names_the_tag_once_every_rank_is_durable(one_rank_held):
+    assert one_rank_held["latest_after"] == "first"
+
+
+def test_tokenizer_lands_with_the_commit(one_rank_held):
+    assert one_rank_held["tokenizer_before"] is False
+    assert one_rank_held["tokenizer_after"] is True
+
+
+def _optimizer_files(root, tag):
+    return sorted((root / tag).glob("*_optim_states.pt")) + sorted((root / tag).glob("*_model_states.pt"))
+
+
+def _assert_same_tensors(a, b, path="") -> None:
+    if torch.is_tensor(a):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        for key in a:
+            if key not in ("ds_config",):
+                _assert_same_tensors(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_tensors(x, y, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["mutate-by-hand", "overlapped-copy-then-step"])
+def test_state_changed_after_save_does_not_leak_into_the_checkpoint(ranks, tmp_path, overlap):
+    tag = ranks.run(rank_tasks.snapshot_ignores_later_mutation, str(tmp_path), overlap)[0]["tag"]
+    reference = _optimizer_files(tmp_path / "reference", tag)
+    ours = _optimizer_files(tmp_path / "async", tag)
+    assert [p.name for p in ours] == [p.name for p in reference] and reference
+    for ref, got in zip(reference, ours):
+        _assert_same_tensors(torch.load(ref, weights_only=False), torch.load(got, weights_only=False), ref.name)
