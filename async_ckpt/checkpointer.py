@@ -33,7 +33,7 @@ from async_ckpt.job import SaveJob
 from async_ckpt.layout import manifest_path, validate_tag
 from async_ckpt.resume import FetchReport, fetch_for_rank, resolve
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
-from async_ckpt.storage import Storage, open_storage
+from async_ckpt.storage import RetryPolicy, Storage, open_storage
 from async_ckpt.writer import BackgroundWriter
 
 logger = logging.getLogger("async_ckpt")
@@ -272,7 +272,8 @@ class AsyncCheckpointer:
     def _open(self, url: str) -> Storage:
         options = self.config.storage_options if "://" in url else {}
         storage = open_storage(url, options, fsync=self.config.fsync, part_size=self.config.part_size,
-                               max_concurrency=self.config.max_concurrency)
+                               max_concurrency=self.config.max_concurrency,
+                               retry=RetryPolicy(self.config.retry_attempts, self.config.retry_base_delay_s))
         storage.probe()
         return storage
 

@@ -39,6 +39,9 @@ class CheckpointConfig:
         part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum).
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
         cache_dir: local folder for files fetched from remote storage on resume.
+        retry_attempts: tries per object-store request before a transient error (5xx, throttling,
+            timeouts, resets) fails the save.
+        retry_base_delay_s: first backoff delay; it doubles per retry, with full jitter.
     """
 
     url: str
@@ -51,6 +54,8 @@ class CheckpointConfig:
     part_size: int = 16 * MiB
     max_concurrency: int = 8
     cache_dir: str = field(default_factory=default_cache_dir)
+    retry_attempts: int = 6
+    retry_base_delay_s: float = 0.2
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, (str, os.PathLike)) or not str(self.url).strip():
@@ -71,5 +76,9 @@ class CheckpointConfig:
             raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
         if not isinstance(self.max_concurrency, int) or not 1 <= self.max_concurrency <= 256:
             raise ConfigError(f"max_concurrency must be an integer in 1..256, got {self.max_concurrency!r}")
+        if not isinstance(self.retry_attempts, int) or self.retry_attempts < 1:
+            raise ConfigError(f"retry_attempts must be a positive integer, got {self.retry_attempts!r}")
+        if not self.retry_base_delay_s >= 0:
+            raise ConfigError(f"retry_base_delay_s must be >= 0, got {self.retry_base_delay_s!r}")
         if not self.cache_dir:
             raise ConfigError("cache_dir must be a folder path")

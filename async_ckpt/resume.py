@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
@@ -33,6 +33,7 @@ class FetchReport:
     bytes_fetched: int = 0
     files_cached: int = 0
     seconds: float = 0.0
+    files: list[str] = field(default_factory=list)
 
 
 def resolve(storage: Storage, tag: str | None) -> Manifest:
@@ -85,14 +86,14 @@ def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, cache_dir
     tag_dir = os.path.join(root, manifest.tag)
     os.makedirs(tag_dir, exist_ok=True)
     wanted = [manifest.entry(p) for p in files_for_rank([f.path for f in manifest.files], dp_rank)]
-    report = FetchReport()
+    report = FetchReport(files=[w.path for w in wanted if w is not None])
 
     def fetch(entry: FileEntry) -> tuple[int, int]:
         dest = os.path.join(tag_dir, *entry.path.split("/"))
         if _verify_local(dest, entry) is None:
             return 0, 0
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = f"{dest}.partial"
+        tmp = f"{dest}.{os.getpid()}.partial"
         storage.get_file(f"{manifest.tag}/{entry.path}", tmp)
         problem = _verify_local(tmp, entry)
         if problem is not None:

@@ -10,7 +10,15 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))  # rank tasks import tests' helper modules by name
 
+import logging  # noqa: E402
+
 from async_ckpt.launch import RankGroup  # noqa: E402
+from s3_server import DUMMY_ENV, S3Server  # noqa: E402
+
+if not os.environ.get("ASYNC_CKPT_TEST_S3_ENDPOINT"):
+    for key, value in DUMMY_ENV.items():  # ranks inherit these: credentials from the standard AWS environment
+        os.environ.setdefault(key, value)
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
 
 class Ranks:
@@ -25,6 +33,11 @@ class Ranks:
             self._group = RankGroup(self.world_size)
         return self._group.run(fn, *args, **kwargs)
 
+    def restart(self) -> None:
+        """A brand-new process group (fresh processes, nothing in memory from earlier runs)."""
+        self.close()
+        self._group = None
+
     def close(self) -> None:
         if self._group is not None:
             self._group.close()
@@ -35,3 +48,19 @@ def ranks():
     group = Ranks(2)
     yield group
     group.close()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 HTTP API on 127.0.0.1 (moto server), started once and stopped at the end."""
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3, request):
+    """A fresh, empty bucket for one test (the server is reset first)."""
+    s3.reset()
+    name = "ckpt-" + request.node.name.lower().replace("_", "-")[:40].strip("-[]")
+    return s3.make_bucket("".join(c if c.isalnum() or c == "-" else "-" for c in name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 import fsspec
@@ -11,15 +12,22 @@ from async_ckpt.errors import ConfigError
 from async_ckpt.storage.base import Storage
 from async_ckpt.storage.fsspec_store import FsspecStorage
 from async_ckpt.storage.local import LocalStorage
+from async_ckpt.storage.retry import RetryPolicy
 
-__all__ = ["Storage", "FsspecStorage", "LocalStorage", "open_storage"]
+__all__ = ["Storage", "FsspecStorage", "LocalStorage", "RetryPolicy", "open_storage"]
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
 
 
+_MALFORMED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/?(?!/)")
+
+
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
-                 part_size: int | None = None, max_concurrency: int | None = None) -> Storage:
+                 part_size: int | None = None, max_concurrency: int | None = None,
+                 retry: RetryPolicy | None = None) -> Storage:
     """The backend for ``url``: local/NFS paths, ``s3://``, or any other fsspec protocol."""
+    if _MALFORMED_URL.match(url) and "://" not in url:
+        raise ConfigError(f"{url!r} looks like a malformed URL; write it as scheme://bucket/path (e.g. s3://bucket/run1)")
     protocol, path = split_protocol(url)
     options = dict(storage_options or {})
     if protocol in _LOCAL_PROTOCOLS:
@@ -31,7 +39,7 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, 
     if protocol in ("s3", "s3a"):
         from async_ckpt.storage.s3 import S3Storage
 
-        return S3Storage(url, options, part_size=part_size, max_concurrency=max_concurrency)
+        return S3Storage(url, options, part_size=part_size, max_concurrency=max_concurrency, retry=retry)
     try:
         fs_cls = fsspec.get_filesystem_class(protocol)
     except (ValueError, ImportError) as exc:

@@ -80,8 +80,6 @@ class Storage(abc.ABC):
             self.write_bytes(name, b"ok")
             if self.read_bytes(name) != b"ok":
                 raise OSError("the probe file read back different bytes")
-        except StorageError:
-            raise
         except Exception as exc:  # every backend raises its own exception types
             raise StorageError(
                 f"cannot write checkpoints to {self.url}: {type(exc).__name__}: {exc}. "

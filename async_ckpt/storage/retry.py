@@ -1,0 +1,56 @@
+"""Retrying transient object-store failures: exponential backoff with full jitter, per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from typing import Awaitable, Callable, TypeVar
+
+logger = logging.getLogger("async_ckpt")
+
+T = TypeVar("T")
+
+_TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
+                    "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """HTTP 5xx, throttling, timeouts and dropped connections are worth another try; 4xx are not."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = str(response.get("Error", {}).get("Code", ""))
+        return status >= 500 or code in _TRANSIENT_CODES
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError)):
+        return True
+    name = type(exc).__name__
+    module = type(exc).__module__ or ""
+    # aiohttp client errors and botocore's HTTP-level errors (EndpointConnectionError, ReadTimeoutError...)
+    return module.startswith("aiohttp") or name.endswith(("ConnectionError", "TimeoutError", "ConnectionClosedError",
+                                                          "IncompleteRead", "ClientPayloadError"))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6
+    base_delay_s: float = 0.2
+    max_delay_s: float = 20.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** attempt))
+
+    async def run(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Await ``call()``, retrying transient failures; the last error propagates."""
+        for attempt in range(self.attempts):
+            try:
+                return await call()
+            except Exception as exc:
+                if attempt + 1 >= self.attempts or not is_transient(exc):
+                    raise
+                pause = self.delay(attempt)
+                logger.debug("%s: transient %s (%s), retry %d/%d in %.2f s", what, type(exc).__name__, exc,
+                             attempt + 1, self.attempts - 1, pause)
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")

@@ -1,0 +1,159 @@
+"""A real S3 HTTP API on 127.0.0.1 for the tests: moto's server mode, and a fault-injecting proxy.
+
+``ASYNC_CKPT_TEST_S3_ENDPOINT`` runs the same tests against any other S3 endpoint instead
+(credentials from the usual AWS environment variables; buckets are created by the tests).
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from async_ckpt.launch import free_port
+
+DUMMY_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class S3Server:
+    """Starts moto on a free loopback port (or uses the external endpoint), resets it on demand."""
+
+    def __init__(self) -> None:
+        self.external = os.environ.get("ASYNC_CKPT_TEST_S3_ENDPOINT")
+        self._moto = None
+        if self.external:
+            self.endpoint = self.external.rstrip("/")
+            self.env = {k: os.environ[k] for k in DUMMY_ENV if k in os.environ}
+        else:
+            from moto.server import ThreadedMotoServer
+
+            port = free_port()
+            self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+            self._moto.start()
+            self.endpoint = f"http://127.0.0.1:{port}"
+            self.env = dict(DUMMY_ENV)
+
+    def client(self, endpoint: str | None = None):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=endpoint or self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=self.env.get("AWS_ACCESS_KEY_ID"),
+                            aws_secret_access_key=self.env.get("AWS_SECRET_ACCESS_KEY"))
+
+    def reset(self) -> None:
+        if self._moto is not None:
+            urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")).read()
+
+    def make_bucket(self, name: str) -> str:
+        client = self.client()
+        client.create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        if self._moto is not None:
+            self._moto.stop()
+
+
+class FaultProxy:
+    """An HTTP proxy in front of the S3 endpoint that answers UploadPart with 503 SlowDown.
+
+    ``fail_next_parts(n)`` fails the next n part uploads (transient); ``fail_all_parts()`` fails
+    every one (permanent); ``heal()`` stops injecting. Other processes (the ranks) do the same
+    with ``POST {endpoint}/__faults__?parts=N`` (see :func:`set_faults`). Everything else passes
+    through unchanged.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlsplit(upstream)
+        self._lock = threading.Lock()
+        self._budget = 0
+        self.injected = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _relay(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                query = parse_qs(urlsplit(self.path).query)
+                if self.path.startswith("/__faults__"):  # control: parts=N fails the next N, -1 all, 0 heals
+                    with proxy._lock:
+                        proxy._budget = int(query["parts"][0])
+                    self.send_response(200)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if self.command == "PUT" and "partNumber" in query and proxy._take_fault():
+                    payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                               b"<Message>Please reduce your request rate.</Message></Error>")
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status, resp.reason)
+                for key, value in resp.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="s3-fault-proxy", daemon=True)
+        self._thread.start()
+
+    def _take_fault(self) -> bool:
+        with self._lock:
+            if self._budget != 0:
+                self._budget -= 1 if self._budget > 0 else 0
+                self.injected += 1
+                return True
+            return False
+
+    def fail_next_parts(self, n: int) -> None:
+        with self._lock:
+            self._budget = n
+
+    def fail_all_parts(self) -> None:
+        with self._lock:
+            self._budget = -1
+
+    def heal(self) -> None:
+        with self._lock:
+            self._budget = 0
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def options(endpoint: str, **extra) -> dict:
+    """storage_options for an S3 endpoint (credentials come from the environment)."""
+    return {"endpoint_url": endpoint, **extra}
+
+
+def set_faults(proxy_endpoint: str, parts: int) -> None:
+    """From any process: fail the next ``parts`` part uploads (-1: all, 0: none)."""
+    req = urllib.request.Request(f"{proxy_endpoint}/__faults__?parts={parts}", method="POST")
+    urllib.request.urlopen(req).read()

@@ -1,0 +1,92 @@
+"""Rank tasks for the object-storage tests (run on every rank of a RankGroup)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import torch.distributed as dist
+
+import async_ckpt
+from async_ckpt import workload
+from rank_tasks import STEPS_AFTER, STEPS_BEFORE, _outcome
+from s3_server import set_faults
+
+
+def save_to_bucket(stage: int, url: str, options: dict, stock_dir: str) -> dict:
+    tokens = workload.token_stream()
+    engine = workload.make_engine(stage, "fp32")
+    workload.train(engine, STEPS_BEFORE, tokens, dist.get_rank())
+    type(engine).save_checkpoint(engine, stock_dir)
+    with async_ckpt.wrap(engine, url, storage_options=options, tokenizer=workload.build_tokenizer()) as ckpt:
+        handle = ckpt.save()
+        losses = workload.train(engine, STEPS_AFTER, tokens, dist.get_rank())
+        result = handle.result(timeout=300)
+    return {"tag": result.tag, "losses_after": losses}
+
+
+def resume_from_bucket(stage: int, url: str, options: dict, cache_base: str) -> dict:
+    """A new job with its own (empty) cache per rank, as on separate machines sharing only the bucket."""
+    rank = dist.get_rank()
+    cache_dir = os.path.join(cache_base, f"rank{rank}")
+    engine = workload.make_engine(stage, "fp32", seed=4321)
+    out: dict = {}
+    with async_ckpt.wrap(engine, url, storage_options=options, cache_dir=cache_dir) as ckpt:
+        tag, _ = ckpt.load()
+        out["first"] = asdict(ckpt.last_fetch)
+        out["bytes_read"] = ckpt.storage.stats.bytes_downloaded
+        out["losses"] = workload.train(engine, STEPS_AFTER, workload.token_stream(), rank)
+        ckpt.load()
+        out["second"] = asdict(ckpt.last_fetch)
+        own = next(p for p in out["first"]["files"] if f"zero_pp_rank_{rank}_" in p and "optim" in p)
+        cached = [os.path.join(r, n) for r, _, names in os.walk(cache_dir) for n in names if n == os.path.basename(own)]
+        with open(cached[0], "r+b") as fh:  # flip one byte of the cached shard
+            fh.seek(100)
+            byte = fh.read(1)
+            fh.seek(100)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        ckpt.load()
+        out["after_corruption"] = asdict(ckpt.last_fetch)
+    out["tag"] = tag
+    return out
+
+
+def save_through_fault_proxy(url: str, options: dict, proxy: str) -> dict:
+    """Transient 503s are retried; a permanent failure aborts the upload and keeps 'latest'."""
+    engine = workload.make_engine(2, "fp32", size="small")
+    workload.train(engine, 1, workload.token_stream(), dist.get_rank())
+    out: dict = {}
+    ckpt = async_ckpt.wrap(engine, url, storage_options=options, part_size=5 * 1024 * 1024,
+                           retry_attempts=4, retry_base_delay_s=0.01)
+    if dist.get_rank() == 0:
+        set_faults(proxy, 3)
+    dist.barrier()
+    out["transient"] = _outcome(lambda: ckpt.save(tag="good").result(timeout=300))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        set_faults(proxy, -1)
+    dist.barrier()
+    error = ckpt.save(tag="bad").exception(timeout=300)
+    out["permanent"] = (type(error).__name__, str(error)) if error else None
+    dist.barrier()
+    if dist.get_rank() == 0:
+        set_faults(proxy, 0)
+    out["latest"] = ckpt.storage.read_bytes("latest").decode()
+    ckpt.close()
+    return out
+
+
+def wrap_with_bad_destinations(endpoint: str, bucket: str) -> dict:
+    engine = workload.make_engine(1, "fp32")
+    return {
+        "malformed": _outcome(lambda: async_ckpt.wrap(engine, f"s3:/{bucket}/run")),
+        "no_bucket_name": _outcome(lambda: async_ckpt.wrap(engine, "s3://", storage_options={"endpoint_url": endpoint})),
+        "missing_bucket": _outcome(lambda: async_ckpt.wrap(engine, "s3://no-such-bucket-here/run",
+                                                           storage_options={"endpoint_url": endpoint})),
+    }
+
+
+def wrap_with_wrong_credentials(endpoint: str, bucket: str) -> dict:
+    engine = workload.make_engine(1, "fp32")
+    options = {"endpoint_url": endpoint, "key": "AKIAWRONGWRONGWRONG1", "secret": "s3cr3t-never-printed"}
+    return {"wrong_credentials": _outcome(lambda: async_ckpt.wrap(engine, f"s3://{bucket}/run", storage_options=options))}

@@ -1,0 +1,142 @@
+"""Object storage against a real S3 HTTP API on 127.0.0.1 (moto server): save, resume, faults, bad input."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+import s3_tasks
+from s3_server import FaultProxy, options
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_server(s3):
+    s3.reset()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def in_bucket(request, s3, ranks, tmp_path_factory):
+    """Train and save to s3:// (and, at the same step, stock DeepSpeed to local disk), then resume
+    in a new process group with an empty cache on every rank."""
+    stage = request.param
+    bucket = s3.make_bucket(f"resume-zero{stage}")
+    url = f"s3://{bucket}/run1"
+    work = tmp_path_factory.mktemp(f"s3-zero{stage}")
+    saved = ranks.run(s3_tasks.save_to_bucket, stage, url, options(s3.endpoint), str(work / "stock"))
+    ranks.restart()
+    resumed = ranks.run(s3_tasks.resume_from_bucket, stage, url, options(s3.endpoint), str(work / "cache"))
+    return {"stage": stage, "bucket": bucket, "work": work, "saved": saved, "resumed": resumed}
+
+
+def test_resume_from_bucket_continues_bitwise_like_the_uninterrupted_run(in_bucket):
+    for rank in range(2):
+        assert in_bucket["resumed"][rank]["losses"] == in_bucket["saved"][rank]["losses_after"]
+
+
+def test_each_rank_fetches_only_its_own_shard(in_bucket):
+    for rank, out in enumerate(in_bucket["resumed"]):
+        shards = [p for p in out["first"]["files"] if "zero_pp_rank_" in p]
+        assert shards and all(f"zero_pp_rank_{rank}_" in p for p in shards)
+        assert out["first"]["files_fetched"] == len(out["first"]["files"])
+
+
+def test_bytes_read_per_rank_are_only_the_files_it_needs(in_bucket, s3):
+    client = s3.client()
+    for out in in_bucket["resumed"]:
+        sizes = [client.head_object(Bucket=in_bucket["bucket"], Key=f"run1/{out['tag']}/{p}")["ContentLength"]
+                 for p in out["first"]["files"]]
+        assert out["bytes_read"] == sum(sizes) == out["first"]["bytes_fetched"]
+
+
+def test_second_resume_with_valid_cache_downloads_nothing(in_bucket):
+    for out in in_bucket["resumed"]:
+        assert out["second"]["files_fetched"] == 0
+        assert out["second"]["files_cached"] == len(out["second"]["files"])
+
+
+def test_cache_entry_failing_verification_is_fetched_again(in_bucket):
+    for out in in_bucket["resumed"]:
+        assert out["after_corruption"]["files_fetched"] == 1
+
+
+def test_committed_objects_are_plain_s3_objects(in_bucket, s3):
+    tag = in_bucket["saved"][0]["tag"]
+    keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=in_bucket["bucket"], Prefix="run1/")["Contents"]}
+    assert {"run1/latest", f"run1/{tag}/async_ckpt_manifest.json", "run1/zero_to_fp32.py"} <= keys
+    assert sum(k.endswith("_optim_states.pt") for k in keys) == 2
+    assert not any(".async_ckpt" in k or k.endswith(".partial") for k in keys)
+
+
+def test_zero_to_fp32_on_a_plain_download_equals_stock(in_bucket, s3):
+    client = s3.client()
+    local = in_bucket["work"] / "download"
+    for obj in client.list_objects_v2(Bucket=in_bucket["bucket"], Prefix="run1/")["Contents"]:
+        dest = local / obj["Key"][len("run1/"):]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        client.download_file(in_bucket["bucket"], obj["Key"], str(dest))
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(local))
+    stock = get_fp32_state_dict_from_zero_checkpoint(str(in_bucket["work"] / "stock"))
+    assert ours.keys() == stock.keys()
+    assert all(torch.equal(ours[k], stock[k]) for k in stock)
+
+
+@pytest.fixture(scope="module")
+def through_faults(s3, ranks):
+    bucket = s3.make_bucket("faults")
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        out = ranks.run(s3_tasks.save_through_fault_proxy, f"s3://{bucket}/run", options(proxy.endpoint), proxy.endpoint)
+    finally:
+        proxy.stop()
+    return {"bucket": bucket, "ranks": out, "injected": proxy.injected}
+
+
+def test_transient_part_failures_are_retried(through_faults):
+    assert through_faults["injected"] > 3
+    assert [r["transient"] for r in through_faults["ranks"]] == [None, None]
+
+
+def test_permanent_failure_fails_the_save_naming_the_object(through_faults):
+    for rank in through_faults["ranks"]:
+        kind, message = rank["permanent"]
+        assert kind == "SaveFailedError" and "'bad'" in message
+    assert any("s3://" in r["permanent"][1] and "SlowDown" in r["permanent"][1] for r in through_faults["ranks"])
+
+
+def test_permanent_failure_leaves_no_multipart_upload(through_faults, s3):
+    uploads = s3.client().list_multipart_uploads(Bucket=through_faults["bucket"]).get("Uploads", [])
+    assert uploads == []
+
+
+def test_permanent_failure_keeps_latest_on_the_previous_tag(through_faults):
+    assert [r["latest"] for r in through_faults["ranks"]] == ["good", "good"]
+
+
+@pytest.fixture(scope="module")
+def bad_destinations(s3, ranks):
+    bucket = s3.make_bucket("bad-input")
+    return ranks.run(s3_tasks.wrap_with_bad_destinations, s3.endpoint, bucket)[0]
+
+
+def test_malformed_url_is_refused_at_wrap(bad_destinations):
+    assert bad_destinations["malformed"][0] == "ConfigError"
+    assert bad_destinations["no_bucket_name"][0] == "ConfigError"
+
+
+def test_missing_bucket_is_refused_at_wrap(bad_destinations):
+    kind, message = bad_destinations["missing_bucket"]
+    assert kind == "StorageError" and "no-such-bucket-here" in message and "NoSuchBucket" in message
+
+
+@pytest.mark.skipif(bool(os.environ.get("ASYNC_CKPT_TEST_S3_ENDPOINT")), reason="uses moto's IAM simulation")
+def test_wrong_credentials_are_refused_at_wrap_without_leaking_the_secret(s3, ranks):
+    from moto.core.authorization import enable_iam_authentication
+
+    bucket = s3.make_bucket("creds")
+    with enable_iam_authentication():
+        kind, message = ranks.run(s3_tasks.wrap_with_wrong_credentials, s3.endpoint, bucket)[0]["wrong_credentials"]
+    assert kind == "StorageError" and "InvalidAccessKeyId" in message
+    assert "s3cr3t-never-printed" not in message
