@@ -61,14 +61,16 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], tasks: A
 class RankGroup:
     """``world_size`` local processes joined in one gloo process group, reused across calls."""
 
-    def __init__(self, world_size: int = 2, *, env: dict[str, str] | None = None, start_timeout_s: float = 600) -> None:
+    def __init__(self, world_size: int = 2, *, env: dict[str, str] | None = None, start_timeout_s: float = 600,
+                 daemon: bool = True) -> None:
+        """``daemon=False`` lets rank code start processes of its own (DeepSpeed's decoupled writer)."""
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self._procs = [ctx.Process(target=_worker, args=(r, world_size, port, dict(env or {}), self._tasks[r],
-                                                         self._results), name=f"async_ckpt-rank{r}", daemon=True)
+                                                         self._results), name=f"async_ckpt-rank{r}", daemon=daemon)
                        for r in range(world_size)]
         for proc in self._procs:
             proc.start()

@@ -24,7 +24,7 @@ SIZES = {
     # name: (n_layer, n_embd, n_head, seq_len)
     "tiny": (2, 64, 4, 32),
     "small": (4, 256, 4, 64),
-    "bench": (10, 1024, 16, 64),
+    "bench": (8, 1024, 16, 64),
 }
 
 

@@ -1,0 +1,63 @@
+"""Hardware floors for the same bytes: what a copy, a disk and the S3 endpoint can do at best."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+CHUNK = 16 * 1024 * 1024
+
+
+def copy_floor_s(nbytes: int, repeats: int = 3) -> float:
+    """Best time to copy ``nbytes`` into host memory that is already allocated and touched."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def local_write_floor_s(nbytes: int, folder: str) -> float:
+    """Large sequential writes of ``nbytes`` plus fsync, every rank at once (as during a save)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"floor-{uuid.uuid4().hex}.bin")
+    block = memoryview(bytearray(os.urandom(1024)) * (CHUNK // 1024))
+    dist.barrier()
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[:min(CHUNK, left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    elapsed = time.perf_counter() - started
+    os.unlink(path)
+    return elapsed
+
+
+def s3_upload_floor_s(nbytes: int, url: str, storage_options: dict, concurrency: int = 8) -> float:
+    """boto3 TransferManager (``upload_fileobj``) of ``nbytes``, every rank at once."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    client = boto3.client("s3", endpoint_url=storage_options.get("endpoint_url"))
+    payload = bytes(bytearray(os.urandom(1024)) * (nbytes // 1024))
+    config = TransferConfig(multipart_chunksize=CHUNK, multipart_threshold=CHUNK, max_concurrency=concurrency)
+    key = f"{prefix}/floor/{uuid.uuid4().hex}.bin".lstrip("/")
+    dist.barrier()
+    started = time.perf_counter()
+    client.upload_fileobj(io.BytesIO(payload), bucket, key, Config=config)
+    elapsed = time.perf_counter() - started
+    client.delete_object(Bucket=bucket, Key=key)
+    return elapsed

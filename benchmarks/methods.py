@@ -1,0 +1,237 @@
+"""The ways of saving the same DeepSpeed state that the benchmark compares, behind one interface.
+
+Each method's ``save(tag)`` is what the training loop calls (its duration is the stall),
+``finish()`` blocks until every save is durable, and ``durable_s`` reports, per save, the time
+from the save call to durability.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Method:
+    name = "method"
+    note = ""
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        self.engine = engine
+        self.target = target
+        self.rank = rank
+        self.durable_s: list[float] = []
+        self.extra_stall_s: list[float] = []
+        self.bytes_per_save = 0
+
+    def save(self, tag: str) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        """Called after every training step: notice saves that became durable."""
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(path) for n in names)
+
+
+class StockDeepSpeed(Method):
+    """``engine.save_checkpoint`` with DeepSpeed's Torch engine: synchronous, local disk only."""
+
+    name = "stock"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        super().__init__(engine, target, rank)
+        self.root = os.path.join(target["local_dir"], "stock")
+        if target["kind"] != "local":
+            self.note = "stock DeepSpeed cannot write to object storage: measured on local disk"
+
+    def save(self, tag: str) -> None:
+        started = time.perf_counter()
+        type(self.engine).save_checkpoint(self.engine, self.root, tag=tag)
+        self.durable_s.append(time.perf_counter() - started)
+        dist.barrier()
+        self.bytes_per_save = _dir_bytes(os.path.join(self.root, tag)) if self.rank == 0 else 0
+        self.extra_stall_s.append(0.0)
+
+
+class DecoupledDeepSpeed(Method):
+    """DeepSpeed's decoupled writer (a spawned writer process per rank), where it runs.
+
+    Its FastPersist writer pins memory and needs an accelerator, so the plain Python writer is
+    used (the one that runs on CPU); the save is committed, blocking, in the next ``step()``.
+    """
+
+    name = "ds_decoupled"
+    note = "DeepSpeed decoupled engine with its 'python' writer (FastPersist needs an accelerator)"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        super().__init__(engine, target, rank)
+        from deepspeed.runtime.checkpoint_engine.utils import create_checkpoint_engine
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from deepspeed.utils import groups
+
+        if target["kind"] != "local":
+            raise RuntimeError("DeepSpeed's decoupled writer writes local files only")
+        for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():  # set by the deepspeed launcher
+            os.environ.setdefault(key, value)
+        config = dict(engine.config)
+        config["checkpoint"] = {"writer": {"type": "python", "decoupled": True, "io_buffer_size": 64 * 1024 * 1024,
+                                           "io_buffer_double": True, "show_statistics": False,
+                                           "data_parallel": "socket"}}
+        ds_config = DeepSpeedConfig(config)
+        self.root = os.path.join(target["local_dir"], "decoupled")
+        self._pending: tuple[float, str] | None = None
+        self._saved = engine.checkpoint_engine
+        engine.checkpoint_engine = create_checkpoint_engine(ds_config, groups, engine.zero_optimization_stage(),
+                                                            engine.has_moe_layers, False)
+
+    def save(self, tag: str) -> None:
+        type(self.engine).save_checkpoint(self.engine, self.root, tag=tag)
+        self._pending = (time.perf_counter(), tag)
+        self.extra_stall_s.append(0.0)
+
+    def poll(self) -> None:
+        """DeepSpeed commits a decoupled save inside the next ``step()``, which blocks until it is written."""
+        if self._pending is not None:
+            started, tag = self._pending
+            self.durable_s.append(time.perf_counter() - started)
+            self.bytes_per_save = _dir_bytes(os.path.join(self.root, tag)) if self.rank == 0 else 0
+            self._pending = None
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self.engine._commit_decoupled_checkpoint()
+            self.poll()
+
+    def close(self) -> None:
+        self.engine.checkpoint_engine.cleanup()
+        self.engine.checkpoint_engine = self._saved
+
+
+class DcpAsyncSave(Method):
+    """``torch.distributed.checkpoint.async_save`` of the same tensors (its own gloo group)."""
+
+    name = "dcp_async"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        super().__init__(engine, target, rank)
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp = dcp
+        self.group = dist.new_group(backend="gloo")
+        self.futures: list[tuple[float, Any]] = []
+        if target["kind"] == "local":
+            self.root = os.path.join(target["local_dir"], "dcp")
+            self.writer_kwargs: dict = {}
+        else:
+            self.root = f"{target['url'].rstrip('/')}/dcp"
+            self.writer_kwargs = dict(target["storage_options"])
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        flat: dict[str, torch.Tensor] = {}
+
+        def walk(obj: Any, path: str) -> None:
+            if torch.is_tensor(obj):
+                flat[f"rank{self.rank}{path}"] = obj.detach()
+            elif isinstance(obj, dict):
+                for key, value in obj.items():
+                    walk(value, f"{path}.{key}")
+            elif isinstance(obj, (list, tuple)):
+                for i, value in enumerate(obj):
+                    walk(value, f"{path}.{i}")
+
+        walk(self.engine.optimizer.state_dict(), "")
+        return flat
+
+    def save(self, tag: str) -> None:
+        path = f"{self.root}/{tag}"
+        if self.target["kind"] == "local":
+            writer = self.dcp.FileSystemWriter(path, thread_count=2)
+        else:
+            from torch.distributed.checkpoint import FsspecWriter
+
+            writer = FsspecWriter(path, thread_count=2, **self.writer_kwargs)
+        started = time.perf_counter()
+        future = self.dcp.async_save(self._state(), storage_writer=writer, process_group=self.group)
+        self.futures.append((started, future))
+        self.extra_stall_s.append(0.0)
+
+    def poll(self) -> None:
+        still = []
+        for started, future in self.futures:
+            if future.done():
+                future.result()
+                self.durable_s.append(time.perf_counter() - started)
+            else:
+                still.append((started, future))
+        self.futures = still
+
+    def finish(self) -> None:
+        for started, future in self.futures:
+            future.result()
+            self.durable_s.append(time.perf_counter() - started)
+        self.futures = []
+        if self.target["kind"] == "local" and os.path.isdir(self.root) and self.rank == 0:
+            self.bytes_per_save = _dir_bytes(os.path.join(self.root, sorted(os.listdir(self.root))[0]))
+
+
+class AsyncCkpt(Method):
+    """async_ckpt with default settings (or ``overlap_copy=True`` for the tuned variant)."""
+
+    name = "async_ckpt"
+
+    def __init__(self, engine: Any, target: dict, rank: int, **options: Any) -> None:
+        super().__init__(engine, target, rank)
+        import async_ckpt
+
+        if target["kind"] == "local":
+            url = os.path.join(target["local_dir"], self.name)
+        else:
+            url = f"{target['url'].rstrip('/')}/{self.name}"
+        self.ckpt = async_ckpt.wrap(engine, url, storage_options=target["storage_options"], **options)
+        self.handles: list[Any] = []
+        self.rss_after_save: list[int] = []
+        self.staging_bytes: list[int] = []
+
+    def save(self, tag: str) -> None:
+        import psutil
+
+        self.handles.append(self.ckpt.save(tag=tag))
+        self.rss_after_save.append(psutil.Process().memory_info().rss)
+        self.staging_bytes.append(self.ckpt.staging_bytes)
+
+    def finish(self) -> None:
+        self.ckpt.wait()
+        for handle in self.handles:
+            handle.result()
+            self.durable_s.append(handle.metrics["durable_s"])
+            self.extra_stall_s.append(handle.metrics.get("step_wait_s", 0.0))
+        self.bytes_per_save = self.handles[-1].metrics["bytes_written"]
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+class AsyncCkptOverlap(AsyncCkpt):
+    name = "async_ckpt_overlap"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        super().__init__(engine, target, rank, overlap_copy=True)
+
+
+METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptOverlap)}
+
+
+def clean(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

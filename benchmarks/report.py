@@ -1,0 +1,143 @@
+"""Turn the benchmark's raw per-rank figures into ratios, a markdown table and a timeline PNG."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+GB = 1e9
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(report: dict) -> dict:
+    ranks = report["ranks"]
+    floor_bytes = sum(r["floor"]["bytes"] for r in ranks)
+    copy_floor_s = max(r["floor"]["copy_s"] for r in ranks)
+    local_floor_gbps = floor_bytes / max(r["floor"]["local_write_s"] for r in ranks) / GB
+    s3_floor_gbps = (floor_bytes / max(r["floor"]["s3_upload_s"] for r in ranks) / GB
+                     if "s3_upload_s" in ranks[0]["floor"] else None)
+    persist_floor = s3_floor_gbps if report["target"]["kind"] == "s3" else local_floor_gbps
+    rank0_steps = [s for s in ranks[0]["steps"] if s["method"] != "warmup"]
+    windows: dict[str, list[tuple[float, float]]] = {}
+    methods: dict[str, Any] = {}
+    stock_stall = None
+    for name, first in ranks[0]["methods"].items():
+        if "skipped" in first:
+            methods[name] = {"skipped": first["skipped"]}
+            continue
+        per_save_stall, per_save_durable, windows[name] = [], [], []
+        for i, save0 in enumerate(first["saves"]):
+            saves = [r["methods"][name]["saves"][i] for r in ranks]
+            per_save_stall.append(max(s["call_s"] + s["extra_stall_s"] for s in saves))
+            if any(s["durable_s"] is None for s in saves):
+                per_save_durable.append(None)
+                continue
+            per_save_durable.append(max(s["durable_s"] for s in saves))
+            # persisting in the background: after the save call returned, until durable on every rank
+            tail = max(s["durable_s"] - s["call_s"] for s in saves)
+            if tail > 0:
+                windows[name].append((save0["start"] + save0["call_s"], save0["start"] + save0["call_s"] + tail))
+        total_bytes = sum(r["methods"][name]["bytes_per_save"] for r in ranks)
+        stall = _median(per_save_stall)
+        durable = _median(per_save_durable)
+        gbps = total_bytes / durable / GB if durable else None
+        entry = {
+            "stall_s": stall, "durable_s": durable, "bytes_per_save": total_bytes, "persist_gbps": gbps,
+            "persist_vs_floor": gbps / persist_floor if gbps and persist_floor else None,
+            "stall_vs_copy_floor": stall / copy_floor_s if stall is not None else None,
+            "note": first.get("note", ""),
+        }
+        if "rss_after_save" in first:
+            rss = [max(r["methods"][name]["rss_after_save"][i] for r in ranks) for i in range(len(first["rss_after_save"]))]
+            entry["rss_growth_over_saves"] = (rss[-1] - rss[0]) / rss[0] if len(rss) > 1 else 0.0
+            entry["staging_bytes"] = sum(r["methods"][name]["staging_bytes"][-1] for r in ranks)
+            entry["staging_flat"] = all(len(set(r["methods"][name]["staging_bytes"])) == 1 for r in ranks)
+        if name == "stock":
+            stock_stall = stall
+        methods[name] = entry
+    outside = [s["end"] - s["start"] for s in rank0_steps
+               if not any(a < s["end"] and s["start"] < b for ws in windows.values() for a, b in ws)]
+    for name, ws in windows.items():
+        inside = [s["end"] - s["start"] for s in rank0_steps if s["method"] == name
+                  and any(a < s["end"] and s["start"] < b for a, b in ws)]
+        base = _median(outside)
+        methods[name]["steps_inside_windows"] = len(inside)
+        methods[name]["slowdown_while_persisting"] = (_median(inside) / base - 1) if inside and base else None
+        if stock_stall and methods[name].get("stall_s"):
+            methods[name]["stall_reduction_vs_stock"] = stock_stall / methods[name]["stall_s"]
+    return {"floor": {"bytes": floor_bytes, "copy_s": copy_floor_s, "copy_gbps": floor_bytes / len(ranks) / copy_floor_s / GB,
+                      "local_write_gbps": local_floor_gbps, "s3_upload_gbps": s3_floor_gbps},
+            "median_step_s_outside_saves": _median(outside), "peak_rss_bytes": max(r["peak_rss"] for r in ranks),
+            "methods": methods}
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def table(report: dict) -> str:
+    s = report["summary"]
+    cfg = report["config"]
+    floor = s["floor"]
+    lines = [
+        f"## Save benchmark: ZeRO-{cfg['stage']} {cfg['dtype']}, {cfg['ranks']} ranks, model '{cfg['size']}', "
+        f"target {report['target']['kind']}, {cfg['saves']} saves x {cfg['steps_between']} steps",
+        "",
+        f"checkpoint {floor['bytes'] / GB:.3f} GB per save (all ranks); floors: copy {floor['copy_s'] * 1000:.1f} ms "
+        f"({floor['copy_gbps']:.1f} GB/s per rank), local write+fsync {floor['local_write_gbps']:.2f} GB/s"
+        + (f", boto3 TransferManager {floor['s3_upload_gbps']:.3f} GB/s" if floor["s3_upload_gbps"] else "")
+        + f"; median step outside saves {_fmt(s['median_step_s_outside_saves'], '.3f', ' s')}",
+        "",
+        "| method | stall / save | vs copy floor | stall reduction vs stock | time to durable | persist GB/s | vs floor "
+        "| slowdown while persisting | GB / save |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in s["methods"].items():
+        if "skipped" in m:
+            lines.append(f"| {name} | not run: {m['skipped'][:120]} |  |  |  |  |  |  |  |")
+            continue
+        lines.append(
+            f"| {name} | {_fmt(m['stall_s'], '.3f', ' s')} | {_fmt(m['stall_vs_copy_floor'], '.2f', 'x')} "
+            f"| {_fmt(m.get('stall_reduction_vs_stock'), '.1f', 'x')} | {_fmt(m['durable_s'], '.2f', ' s')} "
+            f"| {_fmt(m['persist_gbps'], '.3f')} | {_fmt(m['persist_vs_floor'], '.0%')} "
+            f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')} | {m['bytes_per_save'] / GB:.3f} |")
+    for name, m in s["methods"].items():
+        if "staging_bytes" in m:
+            lines.append(f"\n{name}: staging {m['staging_bytes'] / GB:.3f} GB (flat across saves: {m['staging_flat']}), "
+                         f"RSS growth first→last save {m['rss_growth_over_saves']:+.1%}")
+        if m.get("note"):
+            lines.append(f"\n{name}: {m['note']}")
+    lines.append(f"\npeak RSS (max over ranks) {s['peak_rss_bytes'] / GB:.2f} GB")
+    return "\n".join(lines)
+
+
+def timeline_png(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rank0 = report["ranks"][0]
+    t0 = rank0["steps"][0]["start"]
+    fig, ax = plt.subplots(figsize=(12, 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = [n for n, m in rank0["methods"].items() if "saves" in m]
+    for i, name in enumerate(names):
+        for save in rank0["methods"][name]["saves"]:
+            end = save["start"] + (save["durable_s"] or save["call_s"])
+            ax.axvspan(save["start"] - t0, end - t0, color=colors[i % len(colors)], alpha=0.25,
+                       label=name if save is rank0["methods"][name]["saves"][0] else None)
+    xs = [s["end"] - t0 for s in rank0["steps"]]
+    ys = [s["end"] - s["start"] for s in rank0["steps"]]
+    ax.plot(xs, ys, "k.-", label="step time (rank 0)")
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("step time (s)")
+    ax.set_title("Training steps and save windows (save call → durable)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,221 @@
+"""Save benchmark: every way of saving the same DeepSpeed ZeRO state, side by side in one run.
+
+Run ``async-ckpt bench`` (or ``python -m benchmarks.save_bench``); ``--quick`` for a smoke run,
+``--target s3`` for an embedded moto S3 server on 127.0.0.1 (or ``--url``/``--endpoint``).
+Methods run one after the other on the same engine and steps, so ratios hold on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from benchmarks.methods import METHODS
+
+ALL_METHODS = list(METHODS)
+
+
+@dataclass
+class BenchConfig:
+    stage: int = 3
+    dtype: str = "fp32"
+    ranks: int = 2
+    size: str = "bench"
+    saves: int = 3
+    steps_between: int = 3
+    target: str = "local"
+    url: str | None = None
+    endpoint: str | None = None
+    methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
+    out: str = "bench_out"
+    workdir: str | None = None
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> "BenchConfig":
+        return cls(**{"size": "tiny", "saves": 2, "steps_between": 2, **overrides})
+
+
+def _quiet() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("DeepSpeed", "deepspeed", "transformers", "torch", "async_ckpt"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def bench_rank(cfg: dict, target: dict) -> dict:
+    """Runs on every rank: train, and save with each method in turn; returns raw figures."""
+    _quiet()
+    import psutil
+    import torch.distributed as dist
+
+    from async_ckpt import workload
+    from benchmarks import floors
+
+    rank = dist.get_rank()
+    proc = psutil.Process()
+    engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"])
+    tokens = workload.token_stream()
+    peak_rss = proc.memory_info().rss
+    steps: list[dict] = []
+
+    def step(method: str) -> None:
+        nonlocal peak_rss
+        started = time.time()
+        workload.train(engine, 1, tokens, rank)
+        steps.append({"method": method, "start": started, "end": time.time()})
+        peak_rss = max(peak_rss, proc.memory_info().rss)
+
+    step("warmup")
+    results: dict[str, Any] = {}
+    for name in cfg["methods"]:
+        dist.barrier()
+        try:
+            method = METHODS[name](engine, target, rank)
+        except Exception as exc:
+            results[name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+            continue
+        saves = []
+        for i in range(cfg["saves"]):
+            for _ in range(cfg["steps_between"]):
+                step(name)
+                method.poll()
+            started = time.time()
+            method.save(f"{name}-{i}")
+            saves.append({"start": started, "call_s": time.time() - started})
+        for _ in range(cfg["steps_between"]):
+            step(name)
+            method.poll()
+        finish_started = time.time()
+        method.finish()
+        entry = {"note": method.note, "finish_wait_s": time.time() - finish_started, "bytes_per_save": method.bytes_per_save}
+        for i, save in enumerate(saves):
+            save["durable_s"] = method.durable_s[i] if i < len(method.durable_s) else None
+            save["extra_stall_s"] = method.extra_stall_s[i] if i < len(method.extra_stall_s) else 0.0
+        entry["saves"] = saves
+        if hasattr(method, "rss_after_save"):
+            entry["rss_after_save"] = method.rss_after_save
+            entry["staging_bytes"] = method.staging_bytes
+        method.close()
+        results[name] = entry
+        peak_rss = max(peak_rss, proc.memory_info().rss)
+    ours = results.get("async_ckpt", {}).get("bytes_per_save")  # this rank's share of a checkpoint
+    nbytes = ours or 64 * 1024 * 1024
+    floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes),
+             "local_write_s": floors.local_write_floor_s(nbytes, os.path.join(target["local_dir"], "floor"))}
+    if target["kind"] == "s3":
+        floor["s3_upload_s"] = floors.s3_upload_floor_s(nbytes, target["url"], target["storage_options"])
+    return {"rank": rank, "methods": results, "floor": floor, "steps": steps, "peak_rss": peak_rss}
+
+
+def _machine() -> dict:
+    import deepspeed
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
+    if cfg.target == "local":
+        return {"kind": "local", "local_dir": workdir, "url": workdir, "storage_options": {}}, None
+    server = None
+    endpoint = cfg.endpoint
+    url = cfg.url
+    if url is None:
+        from moto.server import ThreadedMotoServer
+
+        from async_ckpt.launch import free_port
+
+        for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            os.environ.setdefault(key, value)
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        port = free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        endpoint = f"http://127.0.0.1:{port}"
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        url = "s3://bench/run"
+    options = {"endpoint_url": endpoint} if endpoint else {}
+    return {"kind": "s3", "local_dir": workdir, "url": url, "storage_options": options}, server
+
+
+def run(cfg: BenchConfig) -> dict:
+    """Run the benchmark; write ``results.json``, ``timeline.png`` and print the table."""
+    from async_ckpt.launch import RankGroup
+    from benchmarks.report import summarize, table, timeline_png
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    unknown = set(cfg.methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {ALL_METHODS}")
+    workdir = cfg.workdir or tempfile.mkdtemp(prefix="async_ckpt_bench_")
+    target, server = _start_target(cfg, workdir)
+    started = time.time()
+    try:
+        with RankGroup(cfg.ranks, daemon=False) as ranks:
+            raw = ranks.run(bench_rank, asdict(cfg), target, timeout_s=3600)
+    finally:
+        if server is not None:
+            server.stop()
+    report = {"config": asdict(cfg), "machine": _machine(), "target": {k: v for k, v in target.items()
+                                                                         if k != "storage_options"},
+              "wall_s": time.time() - started, "ranks": raw}
+    report["summary"] = summarize(report)
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "results.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    timeline_png(report, os.path.join(cfg.out, "timeline.png"))
+    print(table(report))
+    print(f"\nraw figures: {os.path.join(cfg.out, 'results.json')}   timeline: {os.path.join(cfg.out, 'timeline.png')}")
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 saves: a smoke run")
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--size", choices=["tiny", "small", "bench"], default=None)
+    parser.add_argument("--saves", type=int, default=None, help="saves per method")
+    parser.add_argument("--steps-between", type=int, default=None)
+    parser.add_argument("--target", choices=["local", "s3"], default="local")
+    parser.add_argument("--url", default=None, help="s3://bucket/prefix (default: an embedded moto server)")
+    parser.add_argument("--endpoint", default=None, help="S3 endpoint URL for --url")
+    parser.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset")
+    parser.add_argument("--out", default="bench_out", help="folder for results.json and timeline.png")
+    parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp folder)")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    base = BenchConfig.quick() if args.quick else BenchConfig()
+    overrides = {k: v for k, v in {"size": args.size, "saves": args.saves, "steps_between": args.steps_between}.items()
+                 if v is not None}
+    return BenchConfig(**{**asdict(base), **overrides, "stage": args.stage, "dtype": args.dtype, "ranks": args.ranks,
+                          "target": "s3" if args.url else args.target, "url": args.url, "endpoint": args.endpoint,
+                          "methods": [m for m in args.methods.split(",") if m], "out": args.out,
+                          "workdir": args.workdir})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.save_bench", description=__doc__)
+    add_arguments(parser)
+    run(config_from_args(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
