@@ -27,11 +27,11 @@ from async_ckpt import __version__ as _version
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, SaveFailedError, TagExistsError,
-                               UsageError)
+                               UsageError, VerificationError)
 from async_ckpt.handle import SaveHandle
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import manifest_path, validate_tag
-from async_ckpt.resume import FetchReport, fetch_for_rank, resolve
+from async_ckpt.resume import FetchReport, check_for_rank, fetch_for_rank, older_committed, resolve
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
 from async_ckpt.writer import BackgroundWriter
@@ -111,19 +111,39 @@ class AsyncCheckpointer:
         self._handles = [h for h in self._handles if not h.done()]
         self._surface_errors()
 
-    def load(self, tag: str | None = None, *, load_optimizer_states: bool = True,
+    def load(self, tag: str | None = None, *, fallback: bool = False, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True, load_module_strict: bool = True) -> tuple[str, dict]:
         """Restore model, optimizer, LR scheduler and client_state from a committed tag.
 
-        ``tag`` defaults to the one ``latest`` names. Uncommitted tags are refused. Returns
-        ``(tag, client_state)``.
+        ``tag`` defaults to the newest committed tag (normally the one ``latest`` names; see
+        :func:`async_ckpt.resume.resolve` for what happens after a crash). The files every rank
+        reads are verified against the manifest first; on a mismatch this raises
+        :class:`VerificationError`, or with ``fallback=True`` every rank moves to the previous
+        committed tag. Returns ``(tag, client_state)``.
         """
         self._ensure_open()
         self.wait()
         manifest = resolve(self.storage, tag)
+        self._check_compatible(manifest)
         dp_rank = self._dp_rank()
-        load_dir, self.last_fetch = fetch_for_rank(self.storage, manifest, dp_rank, self.config.cache_dir,
-                                                   self.config.max_concurrency)
+        while True:
+            problem, load_dir = None, None
+            try:
+                if self.config.verify_on_load and self.storage.local_dir() is not None:
+                    check_for_rank(self.storage, manifest, dp_rank)
+                load_dir, self.last_fetch = fetch_for_rank(self.storage, manifest, dp_rank, self.config.cache_dir,
+                                                           self.config.max_concurrency)
+            except VerificationError as exc:
+                problem = str(exc)
+            problems = self._gather(problem)
+            if not any(problems):
+                break
+            first = next(p for p in problems if p)
+            older = older_committed(self.storage, manifest) if fallback else None
+            if older is None:
+                raise VerificationError(first + ("" if not fallback else "; no older committed tag to fall back to"))
+            logger.warning("rank %d: %s; falling back to %s", self.rank, first, older.tag)
+            manifest = older
         path, client_state = type(self.engine).load_checkpoint(
             self.engine, load_dir, manifest.tag, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states)
@@ -192,7 +212,8 @@ class AsyncCheckpointer:
         handle = SaveHandle(tag=tag, url=storage.url)
         job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=self.rank, world_size=self.world_size,
                       files=files, ticket=self._staging, handle=handle, save_latest=save_latest,
-                      keep_last=self.config.keep_last, metadata=self._metadata(),
+                      keep_last=self.config.keep_last, keep_every=self.config.keep_every,
+                      metadata=self._metadata(),
                       tokenizer_dir=self._save_tokenizer(save_id))
         handle.metrics.update(stall_s=time.perf_counter() - started, buffer_wait_s=waited,
                               staging_bytes=job.staged_bytes)
@@ -220,6 +241,22 @@ class AsyncCheckpointer:
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag or delete the old one first")
         return save_id
+
+    def _gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (one collective on the training thread, as DeepSpeed's own load does)."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+    def _check_compatible(self, manifest: Any) -> None:
+        stage = int(self.engine.zero_optimization_stage())
+        if manifest.world_size != self.world_size or manifest.zero_stage != stage:
+            raise UsageError(
+                f"tag {manifest.tag!r} was saved by {manifest.world_size} rank(s) with ZeRO-{manifest.zero_stage}; "
+                f"this job runs {self.world_size} rank(s) with ZeRO-{stage}. A ZeRO checkpoint loads only on the same "
+                "layout: convert it with DeepSpeed's ds_to_universal and load it with checkpoint.load_universal")
 
     def _on_makedirs(self, path: str) -> None:
         if self._session is None:

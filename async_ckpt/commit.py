@@ -29,6 +29,7 @@ from async_ckpt.job import SaveJob
 from async_ckpt.layout import LATEST, RECOVERY_SCRIPTS, manifest_path, marker_prefix, rank_marker
 from async_ckpt.manifest import FileEntry, Manifest, decode_entries, encode_entries
 from async_ckpt.serialization import write_bytes_file
+from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
 
@@ -140,7 +141,7 @@ def _commit(job: SaveJob, entries: list[FileEntry]) -> Manifest:
     except Exception as exc:
         logger.debug("could not remove commit markers of %s: %s", job.tag, exc)
     if job.keep_last:
-        apply_retention(job, job.keep_last)
+        apply_retention(storage, job.tag, job.keep_last, job.keep_every)
     return manifest
 
 
@@ -161,14 +162,20 @@ def _await_manifest(job: SaveJob, timeout_s: float) -> Manifest:
                  f"tag {job.tag!r}: rank 0 did not commit within {timeout_s:.0f} s")  # type: ignore[return-value]
 
 
-def apply_retention(job: SaveJob, keep_last: int) -> None:
-    """Delete the oldest committed tags beyond ``keep_last``; never the one ``latest`` names."""
-    storage = job.storage
-    committed = [t.tag for t in list_tags(storage) if t.committed]
-    protected = {job.tag, read_latest(storage)}
-    for tag in committed[:-keep_last] if len(committed) > keep_last else []:
-        if tag in protected:
+def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: int | None = None) -> list[str]:
+    """Delete the oldest committed tags beyond ``keep_last``; return what was deleted.
+
+    Runs only after a newer commit succeeded. Never deletes the tag just committed, the one
+    ``latest`` names, or (with ``keep_every``) a tag whose step is a multiple of ``keep_every``.
+    """
+    committed = [t for t in list_tags(storage) if t.committed]
+    protected = {current, read_latest(storage)}
+    deleted = []
+    for info in committed[:-keep_last] if len(committed) > keep_last else []:
+        if info.tag in protected or (keep_every and info.manifest.step % keep_every == 0):
             continue
-        logger.info("retention: deleting committed tag %s (keep_last=%d)", tag, keep_last)
-        storage.delete(manifest_path(tag))  # uncommit first: a half-deleted tag is never 'committed'
-        storage.delete(tag, recursive=True)
+        logger.info("retention: deleting committed tag %s (keep_last=%d)", info.tag, keep_last)
+        storage.delete(manifest_path(info.tag))  # uncommit first: a half-deleted tag is never 'committed'
+        storage.delete(info.tag, recursive=True)
+        deleted.append(info.tag)
+    return deleted

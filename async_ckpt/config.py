@@ -42,6 +42,8 @@ class CheckpointConfig:
         retry_attempts: tries per object-store request before a transient error (5xx, throttling,
             timeouts, resets) fails the save.
         retry_base_delay_s: first backoff delay; it doubles per retry, with full jitter.
+        verify_on_load: check size and CRC-32 of every file a rank reads before loading it.
+        keep_every: with ``keep_last``, also keep every tag whose step is a multiple of this.
     """
 
     url: str
@@ -56,6 +58,8 @@ class CheckpointConfig:
     cache_dir: str = field(default_factory=default_cache_dir)
     retry_attempts: int = 6
     retry_base_delay_s: float = 0.2
+    verify_on_load: bool = True
+    keep_every: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, (str, os.PathLike)) or not str(self.url).strip():
@@ -80,5 +84,8 @@ class CheckpointConfig:
             raise ConfigError(f"retry_attempts must be a positive integer, got {self.retry_attempts!r}")
         if not self.retry_base_delay_s >= 0:
             raise ConfigError(f"retry_base_delay_s must be >= 0, got {self.retry_base_delay_s!r}")
+        if self.keep_every is not None and (isinstance(self.keep_every, bool) or not isinstance(self.keep_every, int)
+                                            or self.keep_every < 1):
+            raise ConfigError(f"keep_every must be a positive number of steps or None, got {self.keep_every!r}")
         if not self.cache_dir:
             raise ConfigError("cache_dir must be a folder path")

@@ -24,6 +24,7 @@ class SaveJob:
     handle: SaveHandle
     save_latest: bool
     keep_last: int | None
+    keep_every: int | None
     metadata: dict[str, Any]
     tokenizer_dir: str | None = None
     started: float = field(default_factory=time.perf_counter)

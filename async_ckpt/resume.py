@@ -19,7 +19,7 @@ from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
 from async_ckpt.layout import LATEST, files_for_rank, validate_tag
 from async_ckpt.manifest import FileEntry, Manifest
-from async_ckpt.serialization import crc32_of_stream
+from async_ckpt.verify import check_local_file, check_stored_file
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
@@ -37,36 +37,60 @@ class FetchReport:
 
 
 def resolve(storage: Storage, tag: str | None) -> Manifest:
-    """The manifest of ``tag`` (default: the tag ``latest`` names), refusing uncommitted tags."""
-    if tag is None:
-        tag = read_latest(storage)
-        if tag is None:
-            raise CheckpointNotFoundError(
-                f"no checkpoint at {storage.url}: there is no 'latest' file. Pass tag=... or check the URL")
-    else:
+    """The manifest of ``tag``, refusing uncommitted tags.
+
+    With ``tag=None``: the tag ``latest`` names, unless a crash left ``latest`` missing, naming a
+    tag that is gone or uncommitted, or behind a newer committed tag (the job stopped between the
+    manifest and the ``latest`` write). Then the newest committed tag is chosen, and the log says
+    which and why.
+    """
+    if tag is not None:
         tag = validate_tag(tag)
-    manifest = read_manifest(storage, tag)
-    if manifest is not None:
-        return manifest
-    if storage.list_dir(tag):
-        raise NotCommittedError(
-            f"tag {tag!r} at {storage.url} was never committed (no manifest): its save did not finish "
-            "on every rank, so its data may be incomplete. Load another tag")
-    known = [t.tag for t in list_tags(storage) if t.committed]
-    raise CheckpointNotFoundError(f"tag {tag!r} not found at {storage.url}; committed tags: {known or 'none'}")
+        manifest = read_manifest(storage, tag)
+        if manifest is not None:
+            return manifest
+        if storage.list_dir(tag):
+            raise NotCommittedError(
+                f"tag {tag!r} at {storage.url} was never committed (no manifest): its save did not finish "
+                "on every rank, so its data may be incomplete. Load another tag")
+        known = [t.tag for t in list_tags(storage) if t.committed]
+        raise CheckpointNotFoundError(f"tag {tag!r} not found at {storage.url}; committed tags: {known or 'none'}")
+    latest = read_latest(storage)
+    committed = [t for t in list_tags(storage) if t.committed]
+    newest = committed[-1].manifest if committed else None
+    named = next((t.manifest for t in committed if t.tag == latest), None)
+    if named is not None and (newest is None or newest.tag == named.tag or newest.step <= named.step):
+        return named
+    if newest is None:
+        why = "there is no 'latest' file" if latest is None else f"'latest' names {latest!r}, which is not committed"
+        raise CheckpointNotFoundError(f"no committed checkpoint at {storage.url}: {why}. Check the URL")
+    if latest is None:
+        why = "'latest' is missing"
+    elif named is None:
+        why = f"'latest' names {latest!r}, which is missing or was never committed"
+    else:
+        why = f"'latest' names {latest!r} (step {named.step}) but a newer tag is committed"
+    logger.warning("resuming from %s (step %d), the newest committed tag at %s: %s (a save or the job was "
+                   "interrupted before 'latest' was written)", newest.tag, newest.step, storage.url, why)
+    return newest
 
 
-def _verify_local(path: str, entry: FileEntry) -> str | None:
-    """None if the local file matches the manifest entry, else what is wrong."""
-    try:
-        size = os.path.getsize(path)
-    except OSError:
-        return "missing"
-    if size != entry.size:
-        return f"size {size} != expected {entry.size}"
-    with open(path, "rb") as fh:
-        _, crc = crc32_of_stream(fh)
-    return None if crc == entry.crc32 else f"crc32 {crc} != expected {entry.crc32}"
+def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
+    """The newest committed tag older than ``manifest`` (for falling back after a failed check)."""
+    older = [t.manifest for t in list_tags(storage) if t.committed and t.tag != manifest.tag
+             and (t.manifest.step, t.manifest.created_unix) < (manifest.step, manifest.created_unix)]
+    return older[-1] if older else None
+
+
+def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int) -> None:
+    """Verify size and CRC-32 of the files ``dp_rank`` will read; raise naming the first bad one."""
+    for path in files_for_rank([f.path for f in manifest.files], dp_rank):
+        check = check_stored_file(storage, manifest.tag, manifest.entry(path))
+        if not check.ok:
+            raise VerificationError(f"{storage.url}/{manifest.tag}/{path}: {check.problem} (expected size "
+                                    f"{check.expected_size}, crc32 {check.expected_crc32}; found size "
+                                    f"{check.actual_size}, crc32 {check.actual_crc32}). The file is corrupt or "
+                                    "truncated; load another tag or pass fallback=True")
 
 
 def cache_root(cache_dir: str, url: str) -> str:
@@ -90,15 +114,15 @@ def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, cache_dir
 
     def fetch(entry: FileEntry) -> tuple[int, int]:
         dest = os.path.join(tag_dir, *entry.path.split("/"))
-        if _verify_local(dest, entry) is None:
+        if check_local_file(dest, entry).ok:
             return 0, 0
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         tmp = f"{dest}.{os.getpid()}.partial"
         storage.get_file(f"{manifest.tag}/{entry.path}", tmp)
-        problem = _verify_local(tmp, entry)
-        if problem is not None:
+        check = check_local_file(tmp, entry)
+        if not check.ok:
             os.unlink(tmp)
-            raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: {problem}; the stored "
+            raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: {check.problem}; the stored "
                                     "file is corrupt or was changed after the commit")
         os.replace(tmp, dest)
         return 1, entry.size

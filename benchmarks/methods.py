@@ -92,6 +92,15 @@ class DecoupledDeepSpeed(Method):
         ds_config = DeepSpeedConfig(config)
         self.root = os.path.join(target["local_dir"], "decoupled")
         self._pending: tuple[float, str] | None = None
+        self._commit_s = 0.0
+        commit = engine._commit_decoupled_checkpoint
+
+        def timed_commit() -> None:  # the wait DeepSpeed adds inside the next step() is this method's stall too
+            started = time.perf_counter()
+            commit()
+            self._commit_s = time.perf_counter() - started
+
+        engine._commit_decoupled_checkpoint = timed_commit
         self._saved = engine.checkpoint_engine
         engine.checkpoint_engine = create_checkpoint_engine(ds_config, groups, engine.zero_optimization_stage(),
                                                             engine.has_moe_layers, False)
@@ -99,13 +108,13 @@ class DecoupledDeepSpeed(Method):
     def save(self, tag: str) -> None:
         type(self.engine).save_checkpoint(self.engine, self.root, tag=tag)
         self._pending = (time.perf_counter(), tag)
-        self.extra_stall_s.append(0.0)
 
     def poll(self) -> None:
         """DeepSpeed commits a decoupled save inside the next ``step()``, which blocks until it is written."""
         if self._pending is not None:
             started, tag = self._pending
             self.durable_s.append(time.perf_counter() - started)
+            self.extra_stall_s.append(self._commit_s)
             self.bytes_per_save = _dir_bytes(os.path.join(self.root, tag)) if self.rank == 0 else 0
             self._pending = None
 
@@ -117,6 +126,7 @@ class DecoupledDeepSpeed(Method):
     def close(self) -> None:
         self.engine.checkpoint_engine.cleanup()
         self.engine.checkpoint_engine = self._saved
+        del self.engine._commit_decoupled_checkpoint
 
 
 class DcpAsyncSave(Method):
@@ -155,11 +165,14 @@ class DcpAsyncSave(Method):
         return flat
 
     def save(self, tag: str) -> None:
+        # Two async_save calls in flight run their collectives concurrently on one group and can
+        # deadlock, so (as DCP recommends) the previous one is awaited first; that wait is stall.
+        self._drain()
         path = f"{self.root}/{tag}"
         if self.target["kind"] == "local":
             writer = self.dcp.FileSystemWriter(path, thread_count=2)
         else:
-            from torch.distributed.checkpoint import FsspecWriter
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             writer = FsspecWriter(path, thread_count=2, **self.writer_kwargs)
         started = time.perf_counter()
@@ -177,13 +190,24 @@ class DcpAsyncSave(Method):
                 still.append((started, future))
         self.futures = still
 
-    def finish(self) -> None:
+    def _drain(self) -> None:
         for started, future in self.futures:
             future.result()
             self.durable_s.append(time.perf_counter() - started)
         self.futures = []
-        if self.target["kind"] == "local" and os.path.isdir(self.root) and self.rank == 0:
+
+    def finish(self) -> None:
+        self._drain()
+        if self.rank != 0 or self.bytes_per_save:
+            return
+        if self.target["kind"] == "local" and os.path.isdir(self.root):
             self.bytes_per_save = _dir_bytes(os.path.join(self.root, sorted(os.listdir(self.root))[0]))
+        elif self.target["kind"] != "local":
+            import fsspec
+
+            fs = fsspec.filesystem("s3", **self.writer_kwargs)
+            first = sorted(fs.ls(self.root, detail=False))[0]
+            self.bytes_per_save = int(fs.du(first))
 
 
 class AsyncCkpt(Method):
@@ -201,14 +225,14 @@ class AsyncCkpt(Method):
             url = f"{target['url'].rstrip('/')}/{self.name}"
         self.ckpt = async_ckpt.wrap(engine, url, storage_options=target["storage_options"], **options)
         self.handles: list[Any] = []
-        self.rss_after_save: list[int] = []
+        self.rss_before_save: list[int] = []
         self.staging_bytes: list[int] = []
 
     def save(self, tag: str) -> None:
         import psutil
 
+        self.rss_before_save.append(psutil.Process().memory_info().rss)  # the previous save is done by now
         self.handles.append(self.ckpt.save(tag=tag))
-        self.rss_after_save.append(psutil.Process().memory_info().rss)
         self.staging_bytes.append(self.ckpt.staging_bytes)
 
     def finish(self) -> None:

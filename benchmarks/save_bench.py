@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import platform
-import statistics
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -102,8 +102,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             save["durable_s"] = method.durable_s[i] if i < len(method.durable_s) else None
             save["extra_stall_s"] = method.extra_stall_s[i] if i < len(method.extra_stall_s) else 0.0
         entry["saves"] = saves
-        if hasattr(method, "rss_after_save"):
-            entry["rss_after_save"] = method.rss_after_save
+        if hasattr(method, "rss_before_save"):
+            entry["rss_before_save"] = method.rss_before_save
             entry["staging_bytes"] = method.staging_bytes
         method.close()
         results[name] = entry
@@ -162,7 +162,7 @@ def run(cfg: BenchConfig) -> dict:
     unknown = set(cfg.methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {ALL_METHODS}")
-    workdir = cfg.workdir or tempfile.mkdtemp(prefix="async_ckpt_bench_")
+    workdir = cfg.workdir or tempfile.mkdtemp(prefix="async_ckpt_bench_")  # removed at the end if ours
     target, server = _start_target(cfg, workdir)
     started = time.time()
     try:
@@ -171,6 +171,8 @@ def run(cfg: BenchConfig) -> dict:
     finally:
         if server is not None:
             server.stop()
+        if cfg.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     report = {"config": asdict(cfg), "machine": _machine(), "target": {k: v for k, v in target.items()
                                                                          if k != "storage_options"},
               "wall_s": time.time() - started, "ranks": raw}

@@ -190,3 +190,86 @@ def failing_write_keeps_previous(root: str, on_error: str) -> dict:
     seen["next_save"] = _outcome(lambda: ckpt.save(tag="after"))
     ckpt.close() if on_error == "warn" else _outcome(ckpt.close)
     return seen
+
+
+def _flip_byte(path: str, offset: int = 200) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def recovery_after_crashes(root: str) -> dict:
+    """Two committed tags, then what a crash can leave: a stale, dangling or missing 'latest', a corrupt shard."""
+    engine = workload.make_engine(2, "fp32")
+    tokens = _tokens()
+    out: dict = {}
+    with async_ckpt.wrap(engine, root) as ckpt:
+        workload.train(engine, 1, tokens, _rank())
+        ckpt.save(tag="older")
+        workload.train(engine, 1, tokens, _rank())
+        ckpt.save(tag="newer")
+        ckpt.wait()
+
+        def with_latest(text: str | None, case: str) -> None:
+            if _rank() == 0:
+                if text is None:
+                    os.remove(f"{root}/latest")
+                else:
+                    with open(f"{root}/latest", "w") as fh:
+                        fh.write(text)
+            dist.barrier()
+            out[case] = ckpt.load()[0]
+
+        with_latest("older", "stale_latest")
+        with_latest("deleted-tag", "dangling_latest")
+        with_latest(None, "missing_latest")
+        if _rank() == 0:
+            _flip_byte(f"{root}/newer/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        dist.barrier()
+        out["corrupt_shard"] = _outcome(lambda: ckpt.load(tag="newer"))
+        out["corrupt_shard_fallback"] = ckpt.load(tag="newer", fallback=True)[0]
+        if _rank() == 0:
+            with open(f"{root}/older/zero_pp_rank_0_mp_rank_00_optim_states.pt", "r+b") as fh:
+                fh.truncate(1000)
+        dist.barrier()
+        out["truncated_shard"] = _outcome(lambda: ckpt.load(tag="older"))
+    return out
+
+
+def load_manifest_from_other_world_size(root: str) -> dict:
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, root) as ckpt:
+        ckpt.save(tag="t").result(timeout=60)
+        if _rank() == 0:
+            import json
+
+            path = f"{root}/t/async_ckpt_manifest.json"
+            data = json.load(open(path))
+            data["world_size"] = 4
+            json.dump(data, open(path, "w"))
+        dist.barrier()
+        return {"load": _outcome(lambda: ckpt.load())}
+
+
+def retention(root: str, keep_last: int, keep_every: int | None) -> dict:
+    """Five saves, one step apart (steps 1..5); which committed tags survive."""
+    engine = workload.make_engine(1, "fp32")
+    tokens = _tokens()
+    with async_ckpt.wrap(engine, root, keep_last=keep_last, keep_every=keep_every) as ckpt:
+        for _ in range(5):
+            workload.train(engine, 1, tokens, _rank())
+            ckpt.save().result(timeout=60)
+    return {"tags": sorted(t for t in os.listdir(root) if os.path.isfile(f"{root}/{t}/async_ckpt_manifest.json")),
+            "latest": open(f"{root}/latest").read()}
+
+
+def save_committed_tags(url: str, options: dict, tags: list[str]) -> dict:
+    engine = workload.make_engine(3, "fp32")
+    with async_ckpt.wrap(engine, url, storage_options=options, tokenizer=workload.build_tokenizer()) as ckpt:
+        for tag in tags:
+            workload.train(engine, 1, _tokens(), _rank())
+            ckpt.save(tag=tag)
+    return {}

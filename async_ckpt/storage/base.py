@@ -101,3 +101,14 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def is_dir(self, relpath: str) -> bool: ...
+
+    @abc.abstractmethod
+    def modified(self, relpath: str) -> float:
+        """Last modification time of a file, as a Unix timestamp."""
+
+    def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
+        """Unfinished multipart uploads under the root: ``(key, upload id, started)``; none for files."""
+        return []
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        raise NotImplementedError

@@ -88,5 +88,10 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             pass
 
+    def modified(self, relpath: str) -> float:
+        info = self.fs.info(self.full_path(relpath))
+        value = info.get("mtime", info.get("LastModified", info.get("created", 0.0)))
+        return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
     def get_file(self, relpath: str, local_path: str) -> None:
         self.fs.get_file(self.full_path(relpath), local_path)

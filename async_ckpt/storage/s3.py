@@ -124,6 +124,27 @@ class S3Storage(FsspecStorage):
         finally:
             os.close(fd)
 
+    def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
+        async def listing() -> list[tuple[str, str, float]]:
+            s3 = await self._client()
+            found, kwargs = [], {"Bucket": self.bucket, "Prefix": f"{self.prefix}/" if self.prefix else ""}
+            while True:
+                resp = await s3.list_multipart_uploads(**kwargs)
+                found += [(u["Key"], u["UploadId"], u["Initiated"].timestamp()) for u in resp.get("Uploads", [])]
+                if not resp.get("IsTruncated"):
+                    return found
+                kwargs.update(KeyMarker=resp["NextKeyMarker"], UploadIdMarker=resp["NextUploadIdMarker"])
+
+        return fsspec.asyn.sync(self.fs.loop, listing)
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        async def abort() -> None:
+            s3 = await self._client()
+            await self.retry.run(f"abort {key}", lambda: s3.abort_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id))
+
+        fsspec.asyn.sync(self.fs.loop, abort)
+
     def list_dir(self, relpath: str = "") -> list[str]:
         self.fs.invalidate_cache(self.full_path(relpath))
         return super().list_dir(relpath)

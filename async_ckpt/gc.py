@@ -1,0 +1,66 @@
+"""Garbage collection: what crashed or failed saves leave behind, removed once it is surely dead.
+
+Left behind by a crash can be: tag folders without a manifest (a save that never committed),
+``.partial`` files (a write cut off mid-file), commit markers, and on S3 multipart uploads that
+were never completed or aborted (their parts are stored, and billed, until aborted). Anything
+younger than the grace period may belong to a save still in progress and is left alone.
+Committed tags are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from async_ckpt.catalog import list_tags
+from async_ckpt.layout import MARKER_DIR
+from async_ckpt.storage.base import Storage
+
+logger = logging.getLogger("async_ckpt")
+
+
+@dataclass
+class GcReport:
+    dry_run: bool
+    incomplete_tags: list[str] = field(default_factory=list)
+    partial_files: list[str] = field(default_factory=list)
+    marker_dirs: list[str] = field(default_factory=list)
+    aborted_uploads: list[str] = field(default_factory=list)
+
+
+def _newest_mtime(storage: Storage, relpath: str) -> float:
+    times = [storage.modified(p) for p in storage.iter_files(relpath)]
+    return max(times) if times else 0.0
+
+
+def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool = False) -> GcReport:
+    """Remove (or with ``dry_run`` only list) garbage older than ``grace_s`` seconds."""
+    report = GcReport(dry_run=dry_run)
+    cutoff = time.time() - grace_s
+    for info in list_tags(storage):
+        if not info.committed:
+            if _newest_mtime(storage, info.tag) < cutoff:
+                report.incomplete_tags.append(info.tag)
+                if not dry_run:
+                    storage.delete(info.tag, recursive=True)
+            continue
+        for path in storage.iter_files(info.tag):
+            if path.endswith(".partial") and storage.modified(path) < cutoff:
+                report.partial_files.append(path)
+                if not dry_run:
+                    storage.delete(path)
+        markers = f"{info.tag}/{MARKER_DIR}"
+        if storage.is_dir(markers) and _newest_mtime(storage, markers) < cutoff:
+            report.marker_dirs.append(markers)
+            if not dry_run:
+                storage.delete(markers, recursive=True)
+    for key, upload_id, started in storage.list_incomplete_uploads():
+        if started < cutoff:
+            report.aborted_uploads.append(key)
+            if not dry_run:
+                storage.abort_upload(key, upload_id)
+    logger.info("gc %s%s: %d incomplete tag(s), %d partial file(s), %d marker folder(s), %d upload(s)",
+                storage.url, " (dry run)" if dry_run else "", len(report.incomplete_tags), len(report.partial_files),
+                len(report.marker_dirs), len(report.aborted_uploads))
+    return report

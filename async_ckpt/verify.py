@@ -1,0 +1,64 @@
+"""Check a tag's files against its manifest: sizes and CRC-32, file by file."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from async_ckpt.manifest import FileEntry, Manifest
+from async_ckpt.serialization import crc32_of_stream
+from async_ckpt.storage.base import Storage
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    path: str
+    ok: bool
+    problem: str = ""
+    expected_size: int = 0
+    actual_size: int | None = None
+    expected_crc32: str = ""
+    actual_crc32: str | None = None
+
+
+def check_local_file(path: str, entry: FileEntry, rel: str | None = None) -> FileCheck:
+    """Compare one local file with its manifest entry."""
+    rel = rel or entry.path
+    base = {"path": rel, "expected_size": entry.size, "expected_crc32": entry.crc32}
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return FileCheck(ok=False, problem="missing", **base)
+    if size != entry.size:
+        return FileCheck(ok=False, problem=f"size {size} != expected {entry.size}", actual_size=size, **base)
+    with open(path, "rb") as fh:
+        _, crc = crc32_of_stream(fh)
+    if crc != entry.crc32:
+        return FileCheck(ok=False, problem=f"crc32 {crc} != expected {entry.crc32}", actual_size=size,
+                         actual_crc32=crc, **base)
+    return FileCheck(ok=True, actual_size=size, actual_crc32=crc, **base)
+
+
+def check_stored_file(storage: Storage, tag: str, entry: FileEntry) -> FileCheck:
+    """Compare one file in ``storage`` with its manifest entry (reads it through once)."""
+    local = storage.local_dir()
+    if local is not None:
+        return check_local_file(os.path.join(local, tag, *entry.path.split("/")), entry)
+    base = {"path": entry.path, "expected_size": entry.size, "expected_crc32": entry.crc32}
+    try:
+        with storage.open_read(f"{tag}/{entry.path}") as stream:
+            size, crc = crc32_of_stream(stream)
+    except FileNotFoundError:
+        return FileCheck(ok=False, problem="missing", **base)
+    if size != entry.size:
+        return FileCheck(ok=False, problem=f"size {size} != expected {entry.size}", actual_size=size, **base)
+    if crc != entry.crc32:
+        return FileCheck(ok=False, problem=f"crc32 {crc} != expected {entry.crc32}", actual_size=size,
+                         actual_crc32=crc, **base)
+    return FileCheck(ok=True, actual_size=size, actual_crc32=crc, **base)
+
+
+def verify_tag(storage: Storage, manifest: Manifest, paths: list[str] | None = None) -> list[FileCheck]:
+    """Check every file of the tag (or just ``paths``)."""
+    wanted = set(paths) if paths is not None else None
+    return [check_stored_file(storage, manifest.tag, e) for e in manifest.files if wanted is None or e.path in wanted]

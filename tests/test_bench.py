@@ -1,0 +1,57 @@
+"""The save benchmark runs end to end in --quick mode (behaviour only: no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.methods import METHODS
+from benchmarks.save_bench import BenchConfig, run
+
+METRICS = {"stall_s", "durable_s", "persist_gbps", "persist_vs_floor", "stall_vs_copy_floor", "bytes_per_save",
+           "slowdown_while_persisting"}
+
+
+@pytest.fixture(scope="module", params=["local", "s3"])
+def bench(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"bench-{request.param}")
+    report = run(BenchConfig.quick(target=request.param, out=str(out), workdir=str(out / "work")))
+    return out, report
+
+
+def test_bench_writes_json_with_every_method(bench):
+    out, _ = bench
+    data = json.loads((out / "results.json").read_text())
+    assert set(data["summary"]["methods"]) == set(METHODS)
+    assert data["machine"]["cpus"] >= 1
+
+
+def test_bench_reports_every_metric_for_each_method_that_ran(bench):
+    _, report = bench
+    ran = {n: m for n, m in report["summary"]["methods"].items() if "skipped" not in m}
+    assert {"stock", "async_ckpt", "async_ckpt_overlap", "dcp_async"} <= set(ran)
+    for name, metrics in ran.items():
+        assert METRICS <= set(metrics), name
+        assert metrics["stall_s"] > 0 and metrics["bytes_per_save"] > 0
+
+
+def test_bench_explains_every_method_it_could_not_run(bench):
+    _, report = bench
+    for metrics in report["summary"]["methods"].values():
+        if "skipped" in metrics:
+            assert metrics["skipped"]
+
+
+def test_bench_reports_floors_and_flat_staging(bench):
+    _, report = bench
+    summary = report["summary"]
+    assert summary["floor"]["copy_s"] > 0 and summary["floor"]["local_write_gbps"] > 0
+    assert summary["methods"]["async_ckpt"]["staging_flat"] is True
+    if report["target"]["kind"] == "s3":
+        assert summary["floor"]["s3_upload_gbps"] > 0
+
+
+def test_bench_writes_the_timeline_png(bench):
+    out, _ = bench
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,120 @@
+"""The async-ckpt command against local and moto-served S3 checkpoints, including bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+import rank_tasks
+from async_ckpt.cli import main
+from s3_server import options
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def local_root(ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli") / "ckpt"
+    ranks.run(rank_tasks.save_committed_tags, str(root), {}, ["first", "second"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def s3_root(ranks, s3):
+    bucket = s3.make_bucket("cli-root")
+    ranks.run(rank_tasks.save_committed_tags, f"s3://{bucket}/run", options(s3.endpoint), ["only"])
+    return f"s3://{bucket}/run", bucket
+
+
+def test_ls_lists_committed_tags_and_marks_latest(local_root, capsys):
+    code, out, _ = run_cli(capsys, "ls", str(local_root))
+    assert code == 0 and "first" in out and "second *" in out and "committed" in out
+
+
+def test_ls_json_has_step_size_ranks_and_stage(local_root, capsys):
+    code, out, _ = run_cli(capsys, "ls", str(local_root), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["latest"] == "second"
+    row = next(t for t in data["tags"] if t["tag"] == "second")
+    assert row["committed"] and row["world_size"] == 2 and row["zero_stage"] == 3 and row["bytes"] > 0
+
+
+def test_ls_on_s3_works_like_local(s3_root, s3, capsys):
+    code, out, _ = run_cli(capsys, "ls", s3_root[0], "--endpoint", s3.endpoint, "--json")
+    assert code == 0 and json.loads(out)["latest"] == "only"
+
+
+def test_verify_reports_every_file_ok(local_root, capsys):
+    code, out, _ = run_cli(capsys, "verify", str(local_root), "--tag", "first", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["ok"] and len(data["files"]) >= 4 and all(f["ok"] for f in data["files"])
+
+
+def test_verify_on_s3_reads_through_the_store(s3_root, s3, capsys):
+    code, out, _ = run_cli(capsys, "verify", s3_root[0], "--endpoint", s3.endpoint)
+    assert code == 0 and "files match the manifest" in out
+
+
+def test_verify_names_a_corrupt_file_and_fails(local_root, capsys, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(local_root, copy)
+    rank_tasks._flip_byte(str(copy / "second" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    code, out, _ = run_cli(capsys, "verify", str(copy))
+    assert code == 1 and "BAD  zero_pp_rank_0_mp_rank_00_optim_states.pt" in out
+
+
+def test_verify_of_a_missing_tag_is_a_clear_error(local_root, capsys):
+    code, _, err = run_cli(capsys, "verify", str(local_root), "--tag", "nope")
+    assert code == 2 and "'nope' not found" in err
+
+
+def test_wrong_url_is_a_clear_error(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "ls", str(tmp_path / "missing"))
+    assert code == 2 and "no such folder" in err
+    code, _, err = run_cli(capsys, "ls", "s3:/bucket/run")
+    assert code == 2 and "malformed URL" in err
+
+
+def test_gc_dry_run_lists_old_incomplete_tags_and_removes_nothing(local_root, capsys, tmp_path):
+    import shutil
+
+    copy = tmp_path / "gc"
+    shutil.copytree(local_root, copy)
+    (copy / "crashed").mkdir()
+    stale = copy / "crashed" / "zero_pp_rank_0_mp_rank_00_optim_states.pt.abc.partial"
+    stale.write_bytes(b"x" * 10)
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    code, out, _ = run_cli(capsys, "gc", str(copy), "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["incomplete_tags"] == ["crashed"] and stale.exists()
+    code, out, _ = run_cli(capsys, "gc", str(copy), "--json")
+    assert code == 0 and not (copy / "crashed").exists() and (copy / "second").exists()
+
+
+def test_gc_leaves_young_incomplete_tags_alone(local_root, capsys, tmp_path):
+    import shutil
+
+    copy = tmp_path / "young"
+    shutil.copytree(local_root, copy)
+    (copy / "in-progress").mkdir()
+    (copy / "in-progress" / "zero_pp_rank_0_mp_rank_00_optim_states.pt.x.partial").write_bytes(b"x")
+    code, out, _ = run_cli(capsys, "gc", str(copy), "--json")
+    assert code == 0 and json.loads(out)["incomplete_tags"] == [] and (copy / "in-progress").exists()
+
+
+def test_gc_aborts_orphaned_multipart_uploads_on_s3(s3_root, s3, capsys):
+    url, bucket = s3_root
+    client = s3.client()
+    client.create_multipart_upload(Bucket=bucket, Key="run/crashed/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    code, out, _ = run_cli(capsys, "gc", url, "--endpoint", s3.endpoint, "--grace-s", "0", "--json")
+    assert code == 0 and len(json.loads(out)["aborted_uploads"]) == 1
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

@@ -1,0 +1,49 @@
+"""After a crash, load() finds the newest committed tag, verifies what it reads, and refuses mismatches."""
+
+from __future__ import annotations
+
+import pytest
+
+import rank_tasks
+
+
+@pytest.fixture(scope="module")
+def recovered(ranks, tmp_path_factory):
+    return ranks.run(rank_tasks.recovery_after_crashes, str(tmp_path_factory.mktemp("recovery") / "ckpt"))
+
+
+@pytest.mark.parametrize("case", ["stale_latest", "dangling_latest", "missing_latest"])
+def test_load_picks_the_newest_committed_tag_when_latest_is_wrong(recovered, case):
+    assert [r[case] for r in recovered] == ["newer", "newer"]
+
+
+def test_corrupt_shard_is_refused_on_every_rank_naming_file_and_checksums(recovered):
+    for rank in recovered:
+        kind, message = rank["corrupt_shard"]
+        assert kind == "VerificationError"
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in message and "crc32" in message
+
+
+def test_corrupt_shard_with_fallback_loads_the_previous_committed_tag(recovered):
+    assert [r["corrupt_shard_fallback"] for r in recovered] == ["older", "older"]
+
+
+def test_truncated_shard_is_refused_naming_expected_and_actual_size(recovered):
+    for rank in recovered:
+        kind, message = rank["truncated_shard"]
+        assert kind == "VerificationError" and "size 1000 != expected" in message
+
+
+def test_manifest_from_another_world_size_is_refused(ranks, tmp_path):
+    kind, message = ranks.run(rank_tasks.load_manifest_from_other_world_size, str(tmp_path / "ckpt"))[0]["load"]
+    assert kind == "UsageError" and "4 rank(s)" in message and "ds_to_universal" in message
+
+
+def test_keep_last_deletes_older_committed_tags_after_newer_commits(ranks, tmp_path):
+    out = ranks.run(rank_tasks.retention, str(tmp_path / "ckpt"), 2, None)[0]
+    assert out["tags"] == ["global_step4", "global_step5"] and out["latest"] == "global_step5"
+
+
+def test_keep_every_protects_tags_from_retention(ranks, tmp_path):
+    out = ranks.run(rank_tasks.retention, str(tmp_path / "ckpt"), 2, 2)[0]
+    assert out["tags"] == ["global_step2", "global_step4", "global_step5"]
