@@ -9,6 +9,7 @@ streamed to storage and committed (see :mod:`async_ckpt.commit`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -34,7 +35,7 @@ from async_ckpt.layout import manifest_path, validate_tag
 from async_ckpt.resume import FetchReport, check_for_rank, fetch_for_rank, older_committed, resolve
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
-from async_ckpt.writer import BackgroundWriter
+from async_ckpt.writer import BackgroundWriter, lower_thread_priority
 
 logger = logging.getLogger("async_ckpt")
 
@@ -45,6 +46,7 @@ class _Session:
 
     storage: Storage
     files: list[StagedFile] = field(default_factory=list)
+    snapshot_s: float = 0.0
 
 
 def _normalize(url: str) -> str:
@@ -72,7 +74,7 @@ class AsyncCheckpointer:
         self.storage = self._open(config.url)
         self._storages: dict[str, Storage] = {_normalize(config.url): self.storage}
         self._shadow = tempfile.mkdtemp(prefix="async_ckpt_shadow_")
-        self._pool = StagingPool()
+        self._pool = StagingPool(copier_init=functools.partial(lower_thread_priority, config.writer_nice))
         self._session: _Session | None = None
         self._last_job: SaveJob | None = None
         self._staging: CopyTicket | None = None
@@ -82,7 +84,8 @@ class AsyncCheckpointer:
         self._errors_lock = threading.Lock()
         self._closed = False
         self.last_fetch = FetchReport()
-        self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure)
+        self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
+                                        nice=config.writer_nice)
         self._previous_engine = engine.checkpoint_engine
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint
@@ -201,12 +204,14 @@ class AsyncCheckpointer:
         waited = self._await_buffers()
         save_id = self._agree(storage, tag)
         self._session = _Session(storage)
+        entered = time.perf_counter()
         try:
             type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
                                               save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
-            files = self._session.files
+            files, snapshot_s = self._session.files, self._session.snapshot_s
         finally:
             self._session = None
+        deepspeed_s = time.perf_counter() - entered
         deferred = [pair for f in files for pair in f.deferred]
         self._staging = self._pool.copy(deferred, background=True)
         handle = SaveHandle(tag=tag, url=storage.url)
@@ -215,8 +220,8 @@ class AsyncCheckpointer:
                       keep_last=self.config.keep_last, keep_every=self.config.keep_every,
                       metadata=self._metadata(),
                       tokenizer_dir=self._save_tokenizer(save_id))
-        handle.metrics.update(stall_s=time.perf_counter() - started, buffer_wait_s=waited,
-                              staging_bytes=job.staged_bytes)
+        handle.metrics.update(stall_s=time.perf_counter() - started, buffer_wait_s=waited, snapshot_s=snapshot_s,
+                              deepspeed_overhead_s=deepspeed_s - snapshot_s, staging_bytes=job.staged_bytes)
         self._last_job = job
         self._handles.append(handle)
         self._writer.submit(job)
@@ -271,7 +276,9 @@ class AsyncCheckpointer:
         relpath = os.path.relpath(path, self._shadow).replace(os.sep, "/")
         name = relpath.rsplit("/", 1)[-1]
         defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
+        started = time.perf_counter()
         self._session.files.append(self._pool.snapshot(state_dict, relpath, slot_key=name, defer=defer))
+        self._session.snapshot_s += time.perf_counter() - started
 
     def _before_optimizer_step(self) -> None:
         if self._staging is not None and not self._staging.done:

@@ -44,6 +44,9 @@ class CheckpointConfig:
         retry_base_delay_s: first backoff delay; it doubles per retry, with full jitter.
         verify_on_load: check size and CRC-32 of every file a rank reads before loading it.
         keep_every: with ``keep_last``, also keep every tag whose step is a multiple of this.
+        writer_nice: Linux nice value (0-19) of the background threads. On machines where
+            training keeps every core busy (CPU training), a positive value lets training threads
+            run first: smaller slowdown, longer time to durable.
     """
 
     url: str
@@ -60,6 +63,7 @@ class CheckpointConfig:
     retry_base_delay_s: float = 0.2
     verify_on_load: bool = True
     keep_every: int | None = None
+    writer_nice: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, (str, os.PathLike)) or not str(self.url).strip():
@@ -87,5 +91,7 @@ class CheckpointConfig:
         if self.keep_every is not None and (isinstance(self.keep_every, bool) or not isinstance(self.keep_every, int)
                                             or self.keep_every < 1):
             raise ConfigError(f"keep_every must be a positive number of steps or None, got {self.keep_every!r}")
+        if not isinstance(self.writer_nice, int) or not 0 <= self.writer_nice <= 19:
+            raise ConfigError(f"writer_nice must be an integer in 0..19, got {self.writer_nice!r}")
         if not self.cache_dir:
             raise ConfigError("cache_dir must be a folder path")

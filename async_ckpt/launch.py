@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -20,7 +21,11 @@ from async_ckpt.errors import AsyncCkptError
 
 
 class RankError(AsyncCkptError):
-    """A function failed (or hung) on one of the ranks."""
+    """A function failed, hung or died on one of the ranks; ``partial`` holds the others' answers."""
+
+    def __init__(self, message: str, *, partial: dict[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.partial = dict(partial or {})
 
 
 def free_port() -> int:
@@ -83,21 +88,30 @@ class RankGroup:
         return self._collect(timeout_s, getattr(fn, "__name__", repr(fn)))
 
     def _collect(self, timeout_s: float, what: str) -> list[Any]:
+        """Gather one answer per rank. A rank that dies, fails or hangs tears the whole group down."""
         results: dict[int, Any] = {}
         failure = None
+        deadline = time.monotonic() + timeout_s
         while len(results) < self.world_size:
-            wait = 20.0 if failure else timeout_s  # once a rank failed, its peers are likely stuck
             try:
-                rank, ok, value = self._results.get(timeout=wait)
+                rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
-                self.close(force=True)
-                missing = sorted(set(range(self.world_size)) - set(results))
-                raise RankError(failure or f"{what}: ranks {missing} did not answer within {wait:.0f} s") from None
+                dead = [r for r, p in enumerate(self._procs) if r not in results and p.exitcode is not None]
+                if dead:
+                    failure = failure or f"{what}: rank(s) {dead} died (exit code {self._procs[dead[0]].exitcode})"
+                    deadline = min(deadline, time.monotonic() + 20)  # give the survivors a moment
+                if time.monotonic() > deadline:
+                    self.close(force=True)
+                    missing = sorted(set(range(self.world_size)) - set(results))
+                    raise RankError(failure or f"{what}: ranks {missing} did not answer within {timeout_s:.0f} s",
+                                    partial=results) from None
+                continue
             if not ok and failure is None:
                 failure = f"{what} failed on rank {rank}:\n{value}"
+                deadline = min(deadline, time.monotonic() + 20)  # its peers are likely stuck in a collective
             results[rank] = value
         if failure:
-            raise RankError(failure)
+            raise RankError(failure, partial=results)
         return [results[r] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:

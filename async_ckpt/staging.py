@@ -67,7 +67,8 @@ class StagingPool:
     waiting for the previous save's write) that no writer still reads the buffers it reuses.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, copier_init: Callable[[], None] | None = None) -> None:
+        self._copier_init = copier_init
         self._slots: dict[tuple[str, int], torch.Tensor] = {}
         self._copier: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}
@@ -105,7 +106,8 @@ class StagingPool:
             waiters.append(self._copy_on_side_stream(device_pairs))
         if host_pairs and background:
             if self._copier is None:
-                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_ckpt-stage")
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_ckpt-stage",
+                                                  initializer=self._copier_init)
             future: Future[None] = self._copier.submit(_copy_all, host_pairs)
             waiters.append(future.result)
         elif host_pairs:

@@ -9,6 +9,7 @@ with the tag, the rank and the cause, and handed to ``on_failure``.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,10 +25,20 @@ from async_ckpt.serialization import write_torch_file
 logger = logging.getLogger("async_ckpt")
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Give the calling thread a Linux nice value (threads have their own on Linux)."""
+    if nice and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as exc:
+            logger.debug("could not lower the priority of %s: %s", threading.current_thread().name, exc)
+
+
 class BackgroundWriter:
     def __init__(self, rank: int, commit_timeout_s: float,
-                 on_failure: Callable[[SaveFailedError], None]) -> None:
+                 on_failure: Callable[[SaveFailedError], None], *, nice: int = 0) -> None:
         self._rank = rank
+        self._nice = nice
         self._commit_timeout_s = commit_timeout_s
         self._on_failure = on_failure
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
@@ -47,6 +58,7 @@ class BackgroundWriter:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        lower_thread_priority(self._nice)
         while (job := self._queue.get()) is not None:
             self._execute(job)
 

@@ -248,13 +248,25 @@ class AsyncCkpt(Method):
 
 
 class AsyncCkptOverlap(AsyncCkpt):
+    """Tuned: the optimizer-partition copy overlaps the next forward/backward."""
+
     name = "async_ckpt_overlap"
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         super().__init__(engine, target, rank, overlap_copy=True)
 
 
-METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptOverlap)}
+class AsyncCkptTuned(AsyncCkpt):
+    """Tuned for CPU training: overlapped copy, and background threads at nice 10."""
+
+    name = "async_ckpt_tuned"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        super().__init__(engine, target, rank, overlap_copy=True, writer_nice=10)
+
+
+METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptOverlap,
+                               AsyncCkptTuned)}
 
 
 def clean(path: str) -> None:

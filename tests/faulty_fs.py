@@ -2,7 +2,7 @@
 
 Registered as ``faulty://`` inside the rank processes. ``storage_options``:
 ``gate`` (a path: writes of ``*.pt`` files block until it exists), ``gate_ranks`` (ranks the gate applies to,
-default all), ``fail_ranks`` (ranks whose writes of ``*.pt`` files raise ENOSPC).
+default all), ``gate_match`` (gate only paths containing this, default ``.pt.``), ``fail_ranks`` (ranks whose writes of ``*.pt`` files raise ENOSPC).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class _FaultyWriter:
     def write(self, data):
         rank = int(os.environ.get("RANK", "0"))
         data_file = ".pt." in self._path
-        if self._fs.gate and rank in self._fs.gate_ranks and data_file:
+        if self._fs.gate and rank in self._fs.gate_ranks and self._fs.gate_match in self._path:
             deadline = time.monotonic() + GATE_TIMEOUT_S
             while not os.path.exists(self._fs.gate):
                 if time.monotonic() > deadline:
@@ -46,9 +46,11 @@ class _FaultyWriter:
 class FaultyFileSystem(LocalFileSystem):
     protocol = ("faulty",)
 
-    def __init__(self, gate: str | None = None, gate_ranks=None, fail_ranks=(), **kwargs) -> None:
+    def __init__(self, gate: str | None = None, gate_ranks=None, gate_match: str = ".pt.", fail_ranks=(),
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.gate = gate
+        self.gate_match = gate_match
         self.gate_ranks = set(gate_ranks) if gate_ranks is not None else set(range(64))
         self.fail_ranks = set(fail_ranks)
 

@@ -273,3 +273,86 @@ def save_committed_tags(url: str, options: dict, tags: list[str]) -> dict:
             workload.train(engine, 1, _tokens(), _rank())
             ckpt.save(tag=tag)
     return {}
+
+
+def soak(root: str, saves: int) -> dict:
+    """Many consecutive saves in one run: every tag verifiable, memory flat, nothing leaked."""
+    import gc as pygc
+    import tempfile
+    import threading
+
+    import psutil
+
+    from async_ckpt.catalog import read_manifest
+    from async_ckpt.storage import LocalStorage
+    from async_ckpt.verify import verify_tag
+
+    engine = workload.make_engine(2, "fp32")
+    tokens = _tokens()
+    workload.train(engine, 1, tokens, _rank())
+    proc = psutil.Process()
+    fds_before = proc.num_fds()
+    shadow_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "async_ckpt_shadow_*")))
+    rss: list[int] = []
+    with async_ckpt.wrap(engine, root) as ckpt:
+        threads_during = sorted(t.name for t in threading.enumerate() if t.name.startswith("async_ckpt"))
+        for i in range(saves):
+            workload.train(engine, 1, tokens, _rank())
+            ckpt.save()
+            if i == 0:
+                allocations_after_first = ckpt.staging_allocations
+            if i in (9, saves - 1):
+                ckpt.wait()
+                pygc.collect()
+                rss.append(proc.memory_info().rss)
+        allocations = ckpt.staging_allocations
+    storage = LocalStorage(root)
+    tags = sorted(t for t in os.listdir(root) if not t.startswith(".") and os.path.isdir(f"{root}/{t}"))
+    bad = [(tag, c.path) for tag in tags for c in verify_tag(storage, read_manifest(storage, tag)) if not c.ok]
+    return {
+        "tags": len(tags), "bad_files": bad, "rss_growth": (rss[1] - rss[0]) / rss[0],
+        "threads_during": threads_during,
+        "threads_after": sorted(t.name for t in threading.enumerate() if t.name.startswith("async_ckpt")),
+        "fds_leaked": proc.num_fds() - fds_before,
+        "partial_files": glob.glob(f"{root}/**/*.partial", recursive=True),
+        "shadow_dirs_left": sorted(set(glob.glob(os.path.join(tempfile.gettempdir(), "async_ckpt_shadow_*"))) - shadow_before),
+        "allocations_after_first": allocations_after_first, "allocations_after_last": allocations,
+    }
+
+
+def killed_mid_save(root: str, gate: str, phase: str, results: str) -> dict:
+    """Commit 'good', train on, then SIGKILL a rank while it writes tag 'doomed' ('upload': rank 1 in the
+    middle of its shard; 'commit': rank 0 in the middle of writing the manifest)."""
+    import json
+    import signal
+
+    from faulty_fs import register
+
+    register()
+    victim, match, partial = {
+        "upload": (1, "doomed/zero_pp_rank_1", f"{root}/doomed/zero_pp_rank_1*.partial"),
+        "commit": (0, "doomed/async_ckpt_manifest", f"{root}/doomed/async_ckpt_manifest.json*.partial"),
+    }[phase]
+    engine = workload.make_engine(2, "fp32")
+    tokens = _tokens()
+    workload.train(engine, 2, tokens, _rank())
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}",
+                           storage_options={"gate": gate, "gate_ranks": [victim], "gate_match": match})
+    ckpt.save(tag="good").result(timeout=60)
+    losses = workload.train(engine, STEPS_AFTER, tokens, _rank())
+    with open(f"{results}.{_rank()}.json", "w") as fh:
+        json.dump({"losses_after_good": losses}, fh)
+    ckpt.save(tag="doomed")
+    if _rank() == victim:
+        deadline = time.monotonic() + 60
+        while not glob.glob(partial) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"survivor": _rank()}
+
+
+def resume_latest(root: str) -> dict:
+    engine = workload.make_engine(2, "fp32", seed=77)
+    with async_ckpt.wrap(engine, root) as ckpt:
+        tag, _ = ckpt.load()
+    return {"tag": tag, "losses": workload.train(engine, STEPS_AFTER, _tokens(), _rank())}
