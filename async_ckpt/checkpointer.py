@@ -315,7 +315,8 @@ class AsyncCheckpointer:
 
     def _open(self, url: str) -> Storage:
         options = self.config.storage_options if "://" in url else {}
-        storage = open_storage(url, options, fsync=self.config.fsync, part_size=self.config.part_size,
+        storage = open_storage(url, options, fsync=self.config.fsync, direct_io=self.config.direct_io,
+                               part_size=self.config.part_size,
                                max_concurrency=self.config.max_concurrency,
                                retry=RetryPolicy(self.config.retry_attempts, self.config.retry_base_delay_s))
         storage.probe()

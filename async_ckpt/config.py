@@ -35,6 +35,8 @@ class CheckpointConfig:
             Safe for training loops; not safe if you modify optimizer state by hand between
             ``save()`` and the next ``step()``. False copies everything before ``save()`` returns.
         fsync: flush file data to stable storage before a file is published (local/NFS).
+        direct_io: write local files with O_DIRECT where the filesystem supports it (faster for
+            large files: no page-cache copy); falls back to buffered writes elsewhere.
         commit_timeout_s: how long a rank waits for the other ranks' files before the save fails.
         part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum).
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
@@ -55,6 +57,7 @@ class CheckpointConfig:
     on_error: OnError = "warn"
     overlap_copy: bool = False
     fsync: bool = True
+    direct_io: bool = True
     commit_timeout_s: float = 1800.0
     part_size: int = 16 * MiB
     max_concurrency: int = 8

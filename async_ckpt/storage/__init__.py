@@ -23,6 +23,7 @@ _MALFORMED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/?(?!/)")
 
 
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
+                 direct_io: bool = True,
                  part_size: int | None = None, max_concurrency: int | None = None,
                  retry: RetryPolicy | None = None) -> Storage:
     """The backend for ``url``: local/NFS paths, ``s3://``, or any other fsspec protocol."""
@@ -33,7 +34,7 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, 
     if protocol in _LOCAL_PROTOCOLS:
         if options:
             raise ConfigError(f"storage_options {sorted(options)} do not apply to the local path {url!r}")
-        return LocalStorage(path, fsync=fsync)
+        return LocalStorage(path, fsync=fsync, direct_io=direct_io)
     if not path or not path.strip("/"):
         raise ConfigError(f"URL {url!r} names no bucket or folder; use e.g. {protocol}://bucket/run1")
     if protocol in ("s3", "s3a"):

@@ -84,12 +84,9 @@ class S3Storage(FsspecStorage):
         try:
             yield upload  # type: ignore[misc]
             upload.complete()
-        except BaseException as exc:
+        except BaseException:
             upload.abort()
-            if isinstance(exc, StorageError) or not isinstance(exc, Exception):
-                raise
-            raise StorageError(f"upload of s3://{self.bucket}/{self._key(relpath)} failed: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise
 
     def get_file(self, relpath: str, local_path: str) -> None:
         """Parallel ranged GETs of ``part_size`` bytes, written in place with ``pwrite``."""
@@ -197,12 +194,20 @@ class MultipartUpload:
     def flush(self) -> None:
         pass
 
+    def _wait(self, future: Future) -> Any:
+        """The result of one request; its failure becomes a StorageError naming the object."""
+        try:
+            return future.result()
+        except Exception as exc:
+            raise StorageError(f"upload of s3://{self._storage.bucket}/{self._key} failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
     def _send_part(self) -> None:
         storage = self._storage
         if self._upload_id is None:
-            self._upload_id = storage._run(self._create()).result()
+            self._upload_id = self._wait(storage._run(self._create()))
         while len(self._inflight) >= storage.max_concurrency:
-            self._parts.append(self._inflight.popleft().result())
+            self._parts.append(self._wait(self._inflight.popleft()))
         body, number = bytes(memoryview(self._buffer)[:self._filled]), self._next_part
         self._next_part += 1
         self._filled = 0
@@ -236,12 +241,12 @@ class MultipartUpload:
                                         lambda: s3.put_object(Bucket=storage.bucket, Key=self._key, Body=body))
                 storage.stats.add(bytes_uploaded=len(body))
 
-            storage._run(put()).result()
+            self._wait(storage._run(put()))
             return
         if self._filled:
             self._send_part()
         while self._inflight:
-            self._parts.append(self._inflight.popleft().result())
+            self._parts.append(self._wait(self._inflight.popleft()))
 
         async def finish() -> None:
             s3 = await storage._client()
@@ -249,7 +254,7 @@ class MultipartUpload:
                 Bucket=storage.bucket, Key=self._key, UploadId=self._upload_id,
                 MultipartUpload={"Parts": sorted(self._parts, key=lambda p: p["PartNumber"])}))
 
-        storage._run(finish()).result()
+        self._wait(storage._run(finish()))
 
     def abort(self) -> None:
         """Cancel parts in flight and abort the multipart upload, so no parts are left billed."""
