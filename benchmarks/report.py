@@ -68,6 +68,11 @@ def summarize(report: dict) -> dict:
         base = _median(outside)
         methods[name]["steps_inside_windows"] = len(inside)
         methods[name]["slowdown_while_persisting"] = (_median(inside) / base - 1) if inside and base else None
+        # everything a save costs the training loop: the stall plus the extra time of slowed steps
+        saves = len(ranks[0]["methods"][name]["saves"])
+        extra = sum(max(0.0, t - base) for t in inside) / saves if base else 0.0
+        if methods[name].get("stall_s") is not None:
+            methods[name]["training_time_lost_per_save_s"] = methods[name]["stall_s"] + extra
         if stock_stall and methods[name].get("stall_s"):
             methods[name]["stall_reduction_vs_stock"] = stock_stall / methods[name]["stall_s"]
     return {"floor": {"bytes": floor_bytes, "copy_s": copy_floor_s, "copy_gbps": floor_bytes / len(ranks) / copy_floor_s / GB,
@@ -94,18 +99,19 @@ def table(report: dict) -> str:
         + f"; median step outside saves {_fmt(s['median_step_s_outside_saves'], '.3f', ' s')}",
         "",
         "| method | stall / save | vs copy floor | stall reduction vs stock | time to durable | persist GB/s | vs floor "
-        "| slowdown while persisting | GB / save |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| slowdown while persisting | training time lost / save | GB / save |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in s["methods"].items():
         if "skipped" in m:
-            lines.append(f"| {name} | not run: {m['skipped'][:120]} |  |  |  |  |  |  |  |")
+            lines.append(f"| {name} | not run: {m['skipped'][:120]} |  |  |  |  |  |  |  |  |")
             continue
         lines.append(
             f"| {name} | {_fmt(m['stall_s'], '.3f', ' s')} | {_fmt(m['stall_vs_copy_floor'], '.2f', 'x')} "
             f"| {_fmt(m.get('stall_reduction_vs_stock'), '.1f', 'x')} | {_fmt(m['durable_s'], '.2f', ' s')} "
             f"| {_fmt(m['persist_gbps'], '.3f')} | {_fmt(m['persist_vs_floor'], '.0%')} "
-            f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')} | {m['bytes_per_save'] / GB:.3f} |")
+            f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')} "
+            f"| {_fmt(m.get('training_time_lost_per_save_s', m['stall_s']), '.3f', ' s')} | {m['bytes_per_save'] / GB:.3f} |")
     for name, m in s["methods"].items():
         if "staging_bytes" in m:
             lines.append(f"\n{name}: staging {m['staging_bytes'] / GB:.3f} GB (flat across saves: {m['staging_flat']}), "

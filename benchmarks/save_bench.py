@@ -181,7 +181,10 @@ def run(cfg: BenchConfig) -> dict:
     with open(os.path.join(cfg.out, "results.json"), "w") as fh:
         json.dump(report, fh, indent=1)
     timeline_png(report, os.path.join(cfg.out, "timeline.png"))
-    print(table(report))
+    text = table(report)
+    with open(os.path.join(cfg.out, "table.md"), "w") as fh:
+        fh.write(text + "\n")
+    print(text)
     print(f"\nraw figures: {os.path.join(cfg.out, 'results.json')}   timeline: {os.path.join(cfg.out, 'timeline.png')}")
     return report
 
