@@ -85,7 +85,7 @@ class AsyncCheckpointer:
         self._closed = False
         self.last_fetch = FetchReport()
         self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
-                                        nice=config.writer_nice)
+                                        nice=config.writer_nice, exact_bytes=config.exact_bytes)
         self._previous_engine = engine.checkpoint_engine
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint

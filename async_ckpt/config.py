@@ -35,6 +35,9 @@ class CheckpointConfig:
             Safe for training loops; not safe if you modify optimizer state by hand between
             ``save()`` and the next ``step()``. False copies everything before ``save()`` returns.
         fsync: flush file data to stable storage before a file is published (local/NFS).
+        exact_bytes: make every file byte-for-byte what DeepSpeed's Torch engine writes (its zip
+            records named after the file); False saves one in-kernel copy per file, and the
+            records are named ``archive/`` (same tensors, every DeepSpeed tool reads them).
         direct_io: write local files with O_DIRECT where the filesystem supports it (faster for
             large files: no page-cache copy); falls back to buffered writes elsewhere.
         commit_timeout_s: how long a rank waits for the other ranks' files before the save fails.
@@ -58,6 +61,7 @@ class CheckpointConfig:
     overlap_copy: bool = False
     fsync: bool = True
     direct_io: bool = True
+    exact_bytes: bool = True
     commit_timeout_s: float = 1800.0
     part_size: int = 16 * MiB
     max_concurrency: int = 8

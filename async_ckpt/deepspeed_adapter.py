@@ -13,8 +13,11 @@ Two DeepSpeed behaviours are used deliberately:
   snapshot still copying in the background must be finished. We wait there and return ``None``,
   so DeepSpeed adds no barrier and writes no ``latest``: async_ckpt commits by itself, once every
   rank's data is durable.
-* ``preserves_storage_sharing()`` is false, so DeepSpeed hands over live tensors instead of
-  cloning them first; the snapshot into reused buffers replaces that clone.
+* ``preserves_storage_sharing()`` is true, as for DeepSpeed's own Torch engine: the snapshot keeps
+  views that share a storage sharing one staged storage (that is what makes the files byte-identical).
+  DeepSpeed only consults the flag when saving MoE checkpoints, where it then clones expert and
+  optimizer states so that each file holds just its own tensors; without the clone every expert
+  file would carry whole flat buffers. That clone is DeepSpeed's, synchronous, and counts in the stall.
 """
 
 from __future__ import annotations
@@ -62,4 +65,4 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._checkpointer._on_engine_destroy()
 
     def preserves_storage_sharing(self) -> bool:
-        return False
+        return True

@@ -2,7 +2,9 @@
 
 DeepSpeed hands the checkpoint engine *live* tensors: module parameters, fp32 master partitions
 and Adam moments that the next optimizer step overwrites in place. The snapshot replaces every
-tensor in the (nested) dict with a copy in a host buffer owned by this pool. Buffers are keyed by
+tensor in the (nested) dict with a view of the same shape, strides and offset into a host copy
+of its storage, owned by this pool; tensors that share a storage keep sharing one, so
+``torch.save`` writes the same records DeepSpeed's own engine would. Buffers are keyed by
 file and position, so the second and every later save reuses the memory of the first (a fresh
 allocation costs page faults: about 4x slower than a copy into memory already touched).
 
@@ -20,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy
 import torch
 
 from async_ckpt.errors import UsageError
@@ -60,6 +63,14 @@ class StagedFile:
     deferred: list[CopyPair] = field(default_factory=list)
 
 
+@dataclass
+class _Memo:
+    """What one snapshot has staged so far: by tensor identity and by source storage."""
+
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    storages: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class StagingPool:
     """Host buffers for one rank's snapshots, reused across saves.
 
@@ -81,11 +92,11 @@ class StagingPool:
     def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool) -> StagedFile:
         """Copy (or, with ``defer``, plan the copy of) every tensor in ``obj`` into pooled buffers."""
         pairs: list[CopyPair] = []
-        memo: dict[int, torch.Tensor] = {}
+        memo = _Memo()
         counter = iter(range(1 << 62))
         with torch.no_grad():
             staged = self._copy_tree(obj, slot_key, counter, memo, pairs, path="")
-        nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        nbytes = sum(dst.numel() for dst, _ in pairs)
         result = StagedFile(relpath=relpath, obj=staged, nbytes=nbytes)
         if defer:
             result.deferred = pairs
@@ -135,27 +146,60 @@ class StagingPool:
             src.record_stream(stream)  # the allocator must not hand src's memory out before the copy ran
         return event.synchronize
 
-    def _buffer_for(self, slot: tuple[str, int], src: torch.Tensor) -> torch.Tensor:
+    def _buffer_for(self, slot: tuple[str, int], nbytes: int, pin: bool) -> torch.Tensor:
         buf = self._slots.get(slot)
-        if buf is None or buf.dtype != src.dtype or buf.numel() != src.numel():
-            pin = src.device.type == "cuda"
-            buf = torch.empty(src.numel(), dtype=src.dtype, device="cpu", pin_memory=pin)
+        if buf is None or buf.numel() != nbytes:
+            if nbytes == 0:
+                # torch.save's file writer treats a null data pointer as "seek past the record",
+                # which a pipe cannot do (see serialization.py); an empty NumPy array has a real
+                # address, so the record is written as the same zero bytes.
+                buf = torch.from_numpy(numpy.empty(0, dtype=numpy.uint8))
+            else:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
             self._slots[slot] = buf
             self.allocations += 1
-        return buf.view(src.shape)
+        return buf
 
-    def _copy_tree(self, obj: Any, slot_key: str, counter: Any, memo: dict[int, torch.Tensor],
+    def _view_in_staged_storage(self, src: torch.Tensor, slot_key: str, counter: Any, memo: _Memo,
+                                pairs: list[CopyPair]) -> torch.Tensor:
+        """The host tensor with ``src``'s shape, strides and offset inside a staged copy of its storage.
+
+        The whole storage is staged because that is what ``torch.save`` writes: views that share
+        one storage in DeepSpeed's dict (ZeRO-1/2 module weights are views of one flat buffer)
+        share one staged storage, so the file has the same records as DeepSpeed's own.
+        """
+        storage = src.untyped_storage()
+        key = storage._cdata  # the storage's identity, as torch.save keys it
+        staged = memo.storages.get(key)
+        if staged is None:
+            staged = self._buffer_for((slot_key, next(counter)), storage.nbytes(), pin=src.device.type == "cuda")
+            whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage)
+            pairs.append((staged, whole))
+            memo.storages[key] = staged
+        return torch.empty(0, dtype=src.dtype).set_(staged.untyped_storage(), src.storage_offset(), src.size(),
+                                                    src.stride())
+
+    @staticmethod
+    def _like(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """``dst`` with the type and ``requires_grad`` flag of ``src``: torch.save records both."""
+        grad = src.requires_grad and (src.is_floating_point() or src.is_complex())
+        if isinstance(src, torch.nn.Parameter):
+            return torch.nn.Parameter(dst, requires_grad=grad)
+        if type(src) is not torch.Tensor:
+            dst = dst.as_subclass(type(src))
+        return dst.requires_grad_(grad)
+
+    def _copy_tree(self, obj: Any, slot_key: str, counter: Any, memo: _Memo,
                    pairs: list[CopyPair], path: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            if id(obj) in memo:  # the same tensor twice in one dict stays one tensor
-                return memo[id(obj)]
+            if id(obj) in memo.tensors:  # the same tensor twice in one dict stays one tensor
+                return memo.tensors[id(obj)]
             if obj.layout != torch.strided:
                 raise UsageError(f"cannot snapshot {path or 'tensor'}: layout {obj.layout} is not supported")
-            dst = self._buffer_for((slot_key, next(counter)), obj)
-            if obj.is_floating_point() or obj.is_complex():
-                dst.requires_grad_(obj.requires_grad)  # torch.save records the flag; keep it as DeepSpeed had it
-            pairs.append((dst, obj.detach()))
-            memo[id(obj)] = dst
+            dst = self._view_in_staged_storage(obj, slot_key, counter, memo, pairs)
+            memo.tensors[id(obj)] = dst = self._like(obj, dst)
+            for name, value in vars(obj).items():  # e.g. ZeRO-3's ds_id on flat groups; torch.save writes them
+                setattr(dst, name, self._copy_tree(value, slot_key, counter, memo, pairs, f"{path}.{name}"))
             return dst
         if isinstance(obj, dict):
             out = copy.copy(obj)

@@ -36,8 +36,9 @@ def lower_thread_priority(nice: int) -> None:
 
 class BackgroundWriter:
     def __init__(self, rank: int, commit_timeout_s: float,
-                 on_failure: Callable[[SaveFailedError], None], *, nice: int = 0) -> None:
+                 on_failure: Callable[[SaveFailedError], None], *, nice: int = 0, exact_bytes: bool = True) -> None:
         self._rank = rank
+        self._exact_bytes = exact_bytes
         self._nice = nice
         self._commit_timeout_s = commit_timeout_s
         self._on_failure = on_failure
@@ -71,7 +72,8 @@ class BackgroundWriter:
             started = time.perf_counter()
             for staged in job.files:
                 current = staged.relpath
-                written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag, rank=job.rank))
+                written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag, rank=job.rank,
+                                                exact_bytes=self._exact_bytes))
             job.release_buffers()
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)

@@ -54,6 +54,7 @@ def _assert_same_tensors(a, b, path="") -> None:
             if key not in ("ds_config",):
                 _assert_same_tensors(a[key], b[key], f"{path}.{key}")
     elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
             _assert_same_tensors(x, y, f"{path}[{i}]")
 

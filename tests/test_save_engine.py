@@ -56,3 +56,12 @@ def test_resume_returns_client_state(saved, ranks):
     out = ranks.run(rank_tasks.resume_and_train, saved["stage"], saved["dtype"], str(saved["root"] / "async"), True)
     assert [o["client_state"] for o in out] == [rank_tasks.CLIENT_STATE] * 2
     assert [o["tag"] for o in out] == [saved["ranks"][0]["tag"]] * 2
+
+
+def test_files_are_byte_for_byte_the_stock_deepspeed_files(saved):
+    tag = saved["ranks"][0]["tag"]
+    stock = sorted((saved["root"] / "stock" / tag).glob("*.pt"))
+    assert stock
+    for path in stock:
+        ours = saved["root"] / "async" / tag / path.name
+        assert ours.read_bytes() == path.read_bytes(), path.name

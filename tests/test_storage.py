@@ -25,9 +25,9 @@ def test_local_write_round_trips_unaligned_sizes(tmp_path, direct_io):
 
 
 def test_direct_and_buffered_writes_give_identical_bytes(tmp_path):
-    write_torch_file(LocalStorage(str(tmp_path), direct_io=True), "t/a.pt", STATE, tag_dir="t", rank=0)
-    write_torch_file(LocalStorage(str(tmp_path), direct_io=False), "t/b.pt", STATE, tag_dir="t", rank=0)
-    assert (tmp_path / "t" / "a.pt").read_bytes() == (tmp_path / "t" / "b.pt").read_bytes()
+    write_torch_file(LocalStorage(str(tmp_path / "direct"), direct_io=True), "t/a.pt", STATE, tag_dir="t", rank=0)
+    write_torch_file(LocalStorage(str(tmp_path / "buffered"), direct_io=False), "t/a.pt", STATE, tag_dir="t", rank=0)
+    assert (tmp_path / "direct" / "t" / "a.pt").read_bytes() == (tmp_path / "buffered" / "t" / "a.pt").read_bytes()
 
 
 @pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])

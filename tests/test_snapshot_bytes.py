@@ -1,0 +1,73 @@
+"""Staging + serialization on their own: a snapshot written by async_ckpt is the file torch.save writes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from async_ckpt.serialization import write_torch_file
+from async_ckpt.staging import StagingPool
+from async_ckpt.storage import LocalStorage
+
+
+def _deepspeed_like_state() -> dict:
+    """The tensor shapes DeepSpeed hands over: views of one flat buffer, empty ZeRO-3 placeholders,
+    a flat group carrying a ``ds_id`` attribute, a Parameter, the same tensor twice."""
+    flat = torch.arange(64, dtype=torch.float32)
+    group = torch.ones(8, requires_grad=True)
+    group.ds_id = "0_27"
+    weight = flat[8:24].view(4, 4)
+    return {
+        "module": {"w": weight, "b": flat[24:28], "tied": weight, "placeholder": torch.empty(0)},
+        "optimizer": {"fp32_flat_groups": [group], "master": torch.nn.Parameter(torch.zeros(5)),
+                      "step": torch.tensor(3), "bf16": torch.zeros(6, dtype=torch.bfloat16)},
+        "global_steps": 3,
+    }
+
+
+def _write(tmp_path, folder: str, obj, exact_bytes: bool = True) -> bytes:
+    write_torch_file(LocalStorage(str(tmp_path / folder)), "tag/mp_rank_00_model_states.pt", obj,
+                     tag_dir="tag", rank=0, exact_bytes=exact_bytes)
+    return (tmp_path / folder / "tag" / "mp_rank_00_model_states.pt").read_bytes()
+
+
+def test_written_snapshot_equals_torch_save_to_the_same_file_name(tmp_path):
+    state = _deepspeed_like_state()
+    (tmp_path / "stock").mkdir()
+    torch.save(state, tmp_path / "stock" / "mp_rank_00_model_states.pt")
+    staged = StagingPool().snapshot(state, "tag/mp_rank_00_model_states.pt", slot_key="m", defer=False)
+    assert _write(tmp_path, "ours", staged.obj) == (tmp_path / "stock" / "mp_rank_00_model_states.pt").read_bytes()
+
+
+def test_views_of_one_storage_share_one_staged_storage():
+    state = _deepspeed_like_state()
+    module = StagingPool().snapshot(state, "m.pt", slot_key="m", defer=False).obj["module"]
+    assert module["w"].untyped_storage().data_ptr() == module["b"].untyped_storage().data_ptr()
+    assert module["tied"] is module["w"]
+    assert module["w"].untyped_storage().nbytes() == 64 * 4
+
+
+def test_staged_buffers_are_reused_by_the_next_snapshot():
+    pool = StagingPool()
+    pool.snapshot(_deepspeed_like_state(), "m.pt", slot_key="m", defer=False)
+    first = pool.allocations
+    pool.snapshot(_deepspeed_like_state(), "m.pt", slot_key="m", defer=False)
+    assert pool.allocations == first
+
+
+def test_stream_mode_writes_the_same_tensors_under_archive_records(tmp_path):
+    state = _deepspeed_like_state()
+    data = _write(tmp_path, "stream", state, exact_bytes=False)
+    assert b"archive/data.pkl" in data
+    loaded = torch.load(tmp_path / "stream" / "tag" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert torch.equal(loaded["module"]["w"], state["module"]["w"])
+
+
+def test_serialization_failure_is_raised_promptly_and_leaves_no_thread(tmp_path):
+    before = threading.active_count()
+    with pytest.raises(Exception, match="pickle|Can't|lambda"):
+        _write(tmp_path, "bad", {"weights": torch.ones(3), "hook": lambda: None})
+    assert threading.active_count() == before
+    assert not (tmp_path / "bad" / "tag" / "mp_rank_00_model_states.pt").exists()
