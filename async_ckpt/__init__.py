@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 from async_ckpt.checkpointer import AsyncCheckpointer, wrap  # noqa: E402
 from async_ckpt.config import CheckpointConfig  # noqa: E402
 from async_ckpt.errors import (AsyncCkptError, CheckpointerClosedError, CheckpointNotFoundError,  # noqa: E402
-                               ConfigError, InvalidTagError, NotCommittedError, SaveFailedError, StorageError,
+                               ConfigError, ConversionError, InvalidTagError, NotCommittedError, SaveFailedError, StorageError,
                                TagExistsError, UsageError, VerificationError)
 from async_ckpt.handle import SaveHandle, SaveResult  # noqa: E402
 
@@ -17,4 +17,5 @@ __all__ = [
     "wrap", "AsyncCheckpointer", "CheckpointConfig", "SaveHandle", "SaveResult",
     "AsyncCkptError", "ConfigError", "InvalidTagError", "TagExistsError", "StorageError", "SaveFailedError",
     "CheckpointNotFoundError", "NotCommittedError", "VerificationError", "CheckpointerClosedError", "UsageError",
+    "ConversionError",
 ]

@@ -19,9 +19,10 @@ class TagInfo:
         return self.manifest is not None
 
 
-def read_latest(storage: Storage) -> str | None:
+def read_latest(storage: Storage, name: str = LATEST) -> str | None:
+    """The tag ``latest`` (or ``latest_universal``, with ``name``) names; ``None`` if absent or empty."""
     try:
-        text = storage.read_bytes(LATEST).decode().strip()
+        text = storage.read_bytes(name).decode().strip()
     except FileNotFoundError:
         return None
     return text or None

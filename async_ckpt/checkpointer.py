@@ -32,7 +32,8 @@ from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError,
 from async_ckpt.handle import SaveHandle
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import manifest_path, validate_tag
-from async_ckpt.resume import FetchReport, check_for_rank, fetch_for_rank, older_committed, resolve
+from async_ckpt.pull import PullReport
+from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
@@ -83,9 +84,10 @@ class AsyncCheckpointer:
         self._unreported: list[SaveFailedError] = []
         self._errors_lock = threading.Lock()
         self._closed = False
-        self.last_fetch = FetchReport()
+        self.last_fetch: PullReport | None = None
         self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
-                                        nice=config.writer_nice, exact_bytes=config.exact_bytes)
+                                        nice=config.writer_nice, exact_bytes=config.exact_bytes,
+                                        on_done=config.on_save_done)
         self._previous_engine = engine.checkpoint_engine
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint
@@ -123,10 +125,14 @@ class AsyncCheckpointer:
         reads are verified against the manifest first; on a mismatch this raises
         :class:`VerificationError`, or with ``fallback=True`` every rank moves to the previous
         committed tag. Returns ``(tag, client_state)``.
+
+        An engine configured with ``"checkpoint": {"load_universal": true}`` loads universal tags
+        instead (the one ``latest_universal`` names by default; made by ``async-ckpt to-universal``),
+        on any number of ranks; every rank fetches and verifies all of its files.
         """
         self._ensure_open()
         self.wait()
-        manifest = resolve(self.storage, tag)
+        manifest = resolve(self.storage, tag, universal=self._loads_universal())
         self._check_compatible(manifest)
         dp_rank = self._dp_rank()
         while True:
@@ -219,7 +225,7 @@ class AsyncCheckpointer:
                       files=files, ticket=self._staging, handle=handle, save_latest=save_latest,
                       keep_last=self.config.keep_last, keep_every=self.config.keep_every,
                       metadata=self._metadata(),
-                      tokenizer_dir=self._save_tokenizer(save_id))
+                      extras_dir=self._save_extras(save_id))
         handle.metrics.update(stall_s=time.perf_counter() - started, buffer_wait_s=waited, snapshot_s=snapshot_s,
                               deepspeed_overhead_s=deepspeed_s - snapshot_s, staging_bytes=job.staged_bytes)
         self._last_job = job
@@ -255,13 +261,25 @@ class AsyncCheckpointer:
         dist.all_gather_object(values, value)
         return values
 
+    def _loads_universal(self) -> bool:
+        return bool(self.engine.load_universal_checkpoint())
+
     def _check_compatible(self, manifest: Any) -> None:
+        if manifest.universal != self._loads_universal():
+            fix = ("set \"checkpoint\": {\"load_universal\": true} in the DeepSpeed config to load it" if manifest.universal
+                   else "convert it with `async-ckpt to-universal`, or remove checkpoint.load_universal from the config")
+            raise UsageError(f"tag {manifest.tag!r} is {'a' if manifest.universal else 'not a'} universal checkpoint "
+                             f"but this engine {'does not load' if manifest.universal else 'loads'} universal "
+                             f"checkpoints: {fix}")
+        if manifest.universal:
+            return
         stage = int(self.engine.zero_optimization_stage())
         if manifest.world_size != self.world_size or manifest.zero_stage != stage:
             raise UsageError(
                 f"tag {manifest.tag!r} was saved by {manifest.world_size} rank(s) with ZeRO-{manifest.zero_stage}; "
                 f"this job runs {self.world_size} rank(s) with ZeRO-{stage}. A ZeRO checkpoint loads only on the same "
-                "layout: convert it with DeepSpeed's ds_to_universal and load it with checkpoint.load_universal")
+                "layout: convert it with `async-ckpt to-universal` (DeepSpeed's ds_to_universal) and load it with "
+                "checkpoint.load_universal")
 
     def _on_makedirs(self, path: str) -> None:
         if self._session is None:
@@ -322,11 +340,21 @@ class AsyncCheckpointer:
         storage.probe()
         return storage
 
-    def _save_tokenizer(self, save_id: str) -> str | None:
-        if self.tokenizer is None or self.rank != 0:
+    def _save_extras(self, save_id: str) -> str | None:
+        """Rank 0's tokenizer and Hugging Face model config, for the commit to put in the tag folder.
+
+        They are saved at ``save()`` time (small, and they describe this step), so that an export
+        of the tag is a loadable model folder.
+        """
+        config = getattr(getattr(self.engine, "module", None), "config", None)
+        has_config = callable(getattr(config, "save_pretrained", None))
+        if self.rank != 0 or (self.tokenizer is None and not has_config):
             return None
-        path = os.path.join(self._shadow, f"tokenizer-{save_id}")
-        self.tokenizer.save_pretrained(path)
+        path = os.path.join(self._shadow, f"extras-{save_id}")
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+        if has_config:
+            config.save_pretrained(path)
         return path
 
     def _metadata(self) -> dict[str, Any]:

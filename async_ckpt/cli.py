@@ -1,4 +1,4 @@
-"""The ``async-ckpt`` command: demo, bench, and tools to inspect, verify and clean checkpoint roots.
+"""The ``async-ckpt`` command: demo, bench, and tools to inspect, verify, clean, pull, export and convert.
 
 Every command that reads a root takes any fsspec URL; ``--endpoint`` and ``--storage-options``
 (JSON) reach S3-compatible stores. Data commands accept ``--json``. Exit code 0 means success,
@@ -23,9 +23,7 @@ def _storage(args: argparse.Namespace) -> Any:
 
     from async_ckpt.errors import CheckpointNotFoundError
 
-    options = json.loads(args.storage_options) if args.storage_options else {}
-    if args.endpoint:
-        options["endpoint_url"] = args.endpoint
+    options = _source_options(args)
     storage = open_storage(args.url, options if "://" in args.url else None)
     local = storage.local_dir()
     if local is not None and not os.path.isdir(local):
@@ -90,6 +88,58 @@ def _gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _pull(args: argparse.Namespace) -> int:
+    from async_ckpt.pull import pull
+    from async_ckpt.resume import resolve
+
+    storage = _storage(args)
+    report = pull(storage, resolve(storage, args.tag), args.dest, rank=args.rank,
+                  max_concurrency=args.concurrency, show_progress=not args.json and not args.quiet)
+    _emit(args, asdict(report), f"pulled {report.tag} into {report.dest}: {report.files_fetched} file(s) "
+                                f"({report.bytes_fetched / 1e9:.3f} GB) fetched, {report.files_skipped} already "
+                                f"there, in {report.seconds:.1f} s; verified against the manifest")
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from async_ckpt.export import export_hf
+    from async_ckpt.resume import resolve
+
+    storage = _storage(args)
+    report = export_hf(storage, resolve(storage, args.tag), args.out, dtype=args.dtype,
+                       safetensors=args.safetensors, max_shard_bytes=int(args.max_shard_gb * 1e9),
+                       show_progress=not args.json)
+    _emit(args, asdict(report), f"exported {report.tag} to {report.out_dir}: {report.tensors} tensors, "
+                                f"{report.total_bytes / 1e9:.3f} GB {report.dtype} in {len(report.shards)} shard(s)"
+                                + (f"; also {', '.join(report.extra_files)}" if report.extra_files else
+                                   "; no tokenizer or config.json in the checkpoint"))
+    return EXIT_OK
+
+
+def _to_universal(args: argparse.Namespace) -> int:
+    from async_ckpt.resume import resolve
+    from async_ckpt.storage import open_storage
+    from async_ckpt.universal import to_universal
+
+    source = _storage(args)
+    options = json.loads(args.out_storage_options) if args.out_storage_options else dict(_source_options(args))
+    dest = open_storage(args.out, options if "://" in args.out else None)
+    report = to_universal(source, resolve(source, args.tag), dest, tag=args.out_tag, workers=args.workers,
+                          show_progress=not args.json)
+    _emit(args, asdict(report), f"converted {report.source_tag} to universal tag {report.tag} at {report.url}: "
+                                f"{report.files} files, {report.total_bytes / 1e9:.3f} GB in {report.seconds:.1f} s. "
+                                "Load it with checkpoint.load_universal on any number of ranks")
+    return EXIT_OK
+
+
+def _source_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The storage options given for the source URL (``--storage-options``, ``--endpoint``)."""
+    options = json.loads(args.storage_options) if args.storage_options else {}
+    if args.endpoint:
+        options["endpoint_url"] = args.endpoint
+    return options
+
+
 def _demo(args: argparse.Namespace) -> int:
     from async_ckpt.demo import run_demo
 
@@ -133,6 +183,35 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--grace-s", type=float, default=3600.0, help="leave anything younger alone (default 3600)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     gc.set_defaults(func=_gc)
+    pull = sub.add_parser("pull", help="download a committed tag into a local DeepSpeed checkpoint folder "
+                                       "(parallel, resumable, verified)")
+    _root_args(pull)
+    pull.add_argument("--tag", default=None, help="tag to pull (default: the newest committed)")
+    pull.add_argument("--dest", required=True, help="local folder; becomes a checkpoint root with 'latest'")
+    pull.add_argument("--rank", type=int, default=None, help="only the files this data-parallel rank loads")
+    pull.add_argument("--concurrency", type=int, default=8, help="files fetched at once (default 8)")
+    pull.add_argument("--quiet", action="store_true", help="no progress bar")
+    pull.set_defaults(func=_pull)
+    export = sub.add_parser("export", help="consolidate a tag (DeepSpeed's zero_to_fp32) into a Hugging Face "
+                                           "model folder: weight shards + index, tokenizer, config")
+    _root_args(export)
+    export.add_argument("--tag", default=None, help="tag to export (default: the newest committed)")
+    export.add_argument("--out", required=True, help="new or empty local folder")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
+    export.add_argument("--safetensors", action=argparse.BooleanOptionalAction, default=True,
+                        help="safetensors shards (default) or, with --no-safetensors, pytorch_model .bin shards")
+    export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest shard in GB (default 5)")
+    export.set_defaults(func=_export)
+    universal = sub.add_parser("to-universal", help="convert a tag with DeepSpeed's ds_to_universal so it loads "
+                                                    "on any number of ranks (checkpoint.load_universal)")
+    _root_args(universal)
+    universal.add_argument("--tag", default=None, help="tag to convert (default: the newest committed)")
+    universal.add_argument("--out", required=True, help="destination root (local path or fsspec URL; may be URL)")
+    universal.add_argument("--out-tag", default=None, help="name of the converted tag (default: <tag>_universal)")
+    universal.add_argument("--out-storage-options", default=None,
+                           help="fsspec options for --out as JSON (default: the source's options)")
+    universal.add_argument("--workers", type=int, default=2, help="ds_to_universal worker processes (default 2)")
+    universal.set_defaults(func=_to_universal)
     try:
         from benchmarks.save_bench import add_arguments
     except ImportError:  # installed without the source tree's benchmarks package

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from typing import Callable
 
@@ -105,13 +106,14 @@ def _gather_and_commit(job: SaveJob, timeout_s: float) -> Manifest:
 def _commit(job: SaveJob, entries: list[FileEntry]) -> Manifest:
     started = time.perf_counter()
     storage = job.storage
-    if job.tokenizer_dir:
-        for root, _, names in os.walk(job.tokenizer_dir):
+    if job.extras_dir:
+        for root, _, names in os.walk(job.extras_dir):
             for name in sorted(names):
                 local = os.path.join(root, name)
-                rel = os.path.relpath(local, job.tokenizer_dir).replace(os.sep, "/")
+                rel = os.path.relpath(local, job.extras_dir).replace(os.sep, "/")
                 with open(local, "rb") as fh:
                     entries.append(write_bytes_file(storage, f"{job.tag}/{rel}", fh.read(), tag_dir=job.tag, rank=0))
+        shutil.rmtree(job.extras_dir, ignore_errors=True)
     scripts_dir = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
     for script in RECOVERY_SCRIPTS:
         with open(os.path.join(scripts_dir, script), "rb") as fh:

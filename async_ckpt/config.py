@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from async_ckpt.errors import ConfigError
 
@@ -52,6 +52,9 @@ class CheckpointConfig:
         writer_nice: Linux nice value (0-19) of the background threads. On machines where
             training keeps every core busy (CPU training), a positive value lets training threads
             run first: smaller slowdown, longer time to durable.
+        on_save_done: called with the :class:`SaveHandle` once a save committed or failed, on
+            every rank, from its writer thread: the hook for trackers (TensorBoard, W&B: log
+            ``handle.metrics``, usually on rank 0 only). Exceptions it raises are logged and ignored.
     """
 
     url: str
@@ -71,6 +74,7 @@ class CheckpointConfig:
     verify_on_load: bool = True
     keep_every: int | None = None
     writer_nice: int = 0
+    on_save_done: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, (str, os.PathLike)) or not str(self.url).strip():
@@ -100,5 +104,7 @@ class CheckpointConfig:
             raise ConfigError(f"keep_every must be a positive number of steps or None, got {self.keep_every!r}")
         if not isinstance(self.writer_nice, int) or not 0 <= self.writer_nice <= 19:
             raise ConfigError(f"writer_nice must be an integer in 0..19, got {self.writer_nice!r}")
+        if self.on_save_done is not None and not callable(self.on_save_done):
+            raise ConfigError(f"on_save_done must be a callable taking the SaveHandle, got {self.on_save_done!r}")
         if not self.cache_dir:
             raise ConfigError("cache_dir must be a folder path")

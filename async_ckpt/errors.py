@@ -53,3 +53,7 @@ class CheckpointerClosedError(AsyncCkptError, RuntimeError):
 
 class UsageError(AsyncCkptError, RuntimeError):
     """The API was called in a way that cannot work (wrong engine, wrong rank setup...)."""
+
+
+class ConversionError(AsyncCkptError):
+    """A DeepSpeed conversion tool (``ds_to_universal``, ``zero_to_fp32``) failed; the message has its output."""

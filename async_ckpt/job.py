@@ -26,7 +26,7 @@ class SaveJob:
     keep_last: int | None
     keep_every: int | None
     metadata: dict[str, Any]
-    tokenizer_dir: str | None = None
+    extras_dir: str | None = None
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
 

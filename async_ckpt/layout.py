@@ -12,6 +12,7 @@ import re
 from async_ckpt.errors import InvalidTagError
 
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"
 MANIFEST = "async_ckpt_manifest.json"
 MARKER_DIR = ".async_ckpt"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")

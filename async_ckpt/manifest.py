@@ -40,6 +40,8 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)
     created_unix: float = 0.0
     save_id: str = ""
+    #: DeepSpeed's universal format (``ds_to_universal`` output): loads on any number of ranks.
+    universal: bool = False
     format: str = FORMAT
 
     @property

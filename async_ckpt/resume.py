@@ -11,38 +11,25 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
-from async_ckpt.layout import LATEST, files_for_rank, validate_tag
-from async_ckpt.manifest import FileEntry, Manifest
-from async_ckpt.verify import check_local_file, check_stored_file
+from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
+from async_ckpt.manifest import Manifest
+from async_ckpt.pull import PullReport, download
+from async_ckpt.verify import check_stored_file
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
 
 
-@dataclass
-class FetchReport:
-    """What a resume read from remote storage (zero everywhere for local roots)."""
-
-    files_fetched: int = 0
-    bytes_fetched: int = 0
-    files_cached: int = 0
-    seconds: float = 0.0
-    files: list[str] = field(default_factory=list)
-
-
-def resolve(storage: Storage, tag: str | None) -> Manifest:
+def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Manifest:
     """The manifest of ``tag``, refusing uncommitted tags.
 
     With ``tag=None``: the tag ``latest`` names, unless a crash left ``latest`` missing, naming a
     tag that is gone or uncommitted, or behind a newer committed tag (the job stopped between the
     manifest and the ``latest`` write). Then the newest committed tag is chosen, and the log says
-    which and why.
+    which and why. With ``universal``, the same among universal tags, by ``latest_universal``.
     """
     if tag is not None:
         tag = validate_tag(tag)
@@ -55,21 +42,24 @@ def resolve(storage: Storage, tag: str | None) -> Manifest:
                 "on every rank, so its data may be incomplete. Load another tag")
         known = [t.tag for t in list_tags(storage) if t.committed]
         raise CheckpointNotFoundError(f"tag {tag!r} not found at {storage.url}; committed tags: {known or 'none'}")
-    latest = read_latest(storage)
-    committed = [t for t in list_tags(storage) if t.committed]
+    latest_name = LATEST_UNIVERSAL if universal else LATEST
+    latest = read_latest(storage, latest_name)
+    committed = [t for t in list_tags(storage) if t.committed and t.manifest.universal == universal]
     newest = committed[-1].manifest if committed else None
     named = next((t.manifest for t in committed if t.tag == latest), None)
     if named is not None and (newest is None or newest.tag == named.tag or newest.step <= named.step):
         return named
     if newest is None:
-        why = "there is no 'latest' file" if latest is None else f"'latest' names {latest!r}, which is not committed"
-        raise CheckpointNotFoundError(f"no committed checkpoint at {storage.url}: {why}. Check the URL")
+        kind = "universal checkpoint" if universal else "checkpoint"
+        why = f"there is no {latest_name!r} file" if latest is None else f"{latest_name!r} names {latest!r}, which is not committed"
+        raise CheckpointNotFoundError(f"no committed {kind} at {storage.url}: {why}. Check the URL"
+                                      + (" or convert a checkpoint with `async-ckpt to-universal`" if universal else ""))
     if latest is None:
-        why = "'latest' is missing"
+        why = f"{latest_name!r} is missing"
     elif named is None:
-        why = f"'latest' names {latest!r}, which is missing or was never committed"
+        why = f"{latest_name!r} names {latest!r}, which is missing or was never committed"
     else:
-        why = f"'latest' names {latest!r} (step {named.step}) but a newer tag is committed"
+        why = f"{latest_name!r} names {latest!r} (step {named.step}) but a newer tag is committed"
     logger.warning("resuming from %s (step %d), the newest committed tag at %s: %s (a save or the job was "
                    "interrupted before 'latest' was written)", newest.tag, newest.step, storage.url, why)
     return newest
@@ -78,19 +68,28 @@ def resolve(storage: Storage, tag: str | None) -> Manifest:
 def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
     """The newest committed tag older than ``manifest`` (for falling back after a failed check)."""
     older = [t.manifest for t in list_tags(storage) if t.committed and t.tag != manifest.tag
+             and t.manifest.universal == manifest.universal
              and (t.manifest.step, t.manifest.created_unix) < (manifest.step, manifest.created_unix)]
     return older[-1] if older else None
 
 
 def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int) -> None:
     """Verify size and CRC-32 of the files ``dp_rank`` will read; raise naming the first bad one."""
-    for path in files_for_rank([f.path for f in manifest.files], dp_rank):
+    for path in rank_files(manifest, dp_rank):
         check = check_stored_file(storage, manifest.tag, manifest.entry(path))
         if not check.ok:
             raise VerificationError(f"{storage.url}/{manifest.tag}/{path}: {check.problem} (expected size "
                                     f"{check.expected_size}, crc32 {check.expected_crc32}; found size "
                                     f"{check.actual_size}, crc32 {check.actual_crc32}). The file is corrupt or "
                                     "truncated; load another tag or pass fallback=True")
+
+
+def rank_files(manifest: Manifest, dp_rank: int) -> list[str]:
+    """The files of a tag that ``dp_rank`` reads when loading it: its share, or all of a universal tag."""
+    paths = [f.path for f in manifest.files]
+    if manifest.universal:
+        return [p for p in paths if p.endswith(".pt")]
+    return files_for_rank(paths, dp_rank)
 
 
 def cache_root(cache_dir: str, url: str) -> str:
@@ -100,42 +99,18 @@ def cache_root(cache_dir: str, url: str) -> str:
 
 
 def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, cache_dir: str,
-                   max_concurrency: int) -> tuple[str, FetchReport]:
+                   max_concurrency: int) -> tuple[str, PullReport]:
     """Fetch what ``dp_rank`` needs of ``manifest`` into the cache; return the folder to load from."""
     local = storage.local_dir()
     if local is not None:
-        return local, FetchReport()
-    started = time.perf_counter()
+        return local, PullReport(tag=manifest.tag, dest=local)
     root = cache_root(cache_dir, storage.url)
-    tag_dir = os.path.join(root, manifest.tag)
-    os.makedirs(tag_dir, exist_ok=True)
-    wanted = [manifest.entry(p) for p in files_for_rank([f.path for f in manifest.files], dp_rank)]
-    report = FetchReport(files=[w.path for w in wanted if w is not None])
-
-    def fetch(entry: FileEntry) -> tuple[int, int]:
-        dest = os.path.join(tag_dir, *entry.path.split("/"))
-        if check_local_file(dest, entry).ok:
-            return 0, 0
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = f"{dest}.{os.getpid()}.partial"
-        storage.get_file(f"{manifest.tag}/{entry.path}", tmp)
-        check = check_local_file(tmp, entry)
-        if not check.ok:
-            os.unlink(tmp)
-            raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: {check.problem}; the stored "
-                                    "file is corrupt or was changed after the commit")
-        os.replace(tmp, dest)
-        return 1, entry.size
-
-    with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="async_ckpt-fetch") as pool:
-        for fetched, nbytes in pool.map(fetch, [w for w in wanted if w is not None]):
-            report.files_fetched += fetched
-            report.bytes_fetched += nbytes
-            report.files_cached += 1 - fetched
+    wanted = [manifest.entry(p) for p in rank_files(manifest, dp_rank)]
+    report = download(storage, manifest, wanted, os.path.join(root, manifest.tag),
+                      max_concurrency=max_concurrency, resumable=False)
     with open(os.path.join(root, LATEST), "w") as fh:
         fh.write(manifest.tag)
-    report.seconds = time.perf_counter() - started
     logger.info("rank %d fetched %d file(s), %.3f GB of tag %s (%d already cached) in %.2f s",
                 dp_rank, report.files_fetched, report.bytes_fetched / 1e9, manifest.tag,
-                report.files_cached, report.seconds)
+                report.files_skipped, report.seconds)
     return root, report

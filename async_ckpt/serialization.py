@@ -139,6 +139,16 @@ def write_bytes_file(storage: Storage, relpath: str, data: bytes, *, tag_dir: st
     return FileEntry(path=relpath[len(tag_dir) + 1:], size=len(data), crc32=format_crc(zlib.crc32(data)), rank=rank)
 
 
+def copy_local_file(storage: Storage, relpath: str, local_path: str, *, tag_dir: str, rank: int) -> FileEntry:
+    """Stream a local file into ``relpath`` atomically, recording its size and CRC-32."""
+    with open(local_path, "rb") as src, storage.open_write(relpath) as stream:
+        writer = ChecksumWriter(stream)
+        while chunk := src.read(_READ_CHUNK):
+            writer.write(chunk)
+        writer.flush()
+    return FileEntry(path=relpath[len(tag_dir) + 1:], size=writer.size, crc32=format_crc(writer.crc), rank=rank)
+
+
 def crc32_of_stream(stream: BinaryIO) -> tuple[int, str]:
     """Size and CRC-32 of everything left in ``stream``."""
     crc, size = 0, 0

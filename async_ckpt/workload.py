@@ -42,7 +42,8 @@ def build_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 
 
-def ds_config(stage: int, dtype: str = "fp32", *, micro_batch: int = 2, lr: float = 1e-3) -> dict[str, Any]:
+def ds_config(stage: int, dtype: str = "fp32", *, micro_batch: int = 2, lr: float = 1e-3,
+              load_universal: bool = False) -> dict[str, Any]:
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
     return {
@@ -54,7 +55,7 @@ def ds_config(stage: int, dtype: str = "fp32", *, micro_batch: int = 2, lr: floa
         "bf16": {"enabled": dtype == "bf16"},
         "gradient_clipping": 1.0,
         "steps_per_print": 1_000_000,
-        "checkpoint": {"tag_validation": "FAIL"},
+        "checkpoint": {"tag_validation": "FAIL", "load_universal": load_universal},
     }
 
 
@@ -68,12 +69,14 @@ def build_model(size: str = "tiny", vocab_size: int = 320, seed: int = 0) -> tor
     return GPT2LMHeadModel(config)
 
 
-def make_engine(stage: int, dtype: str = "fp32", *, size: str = "tiny", seed: int = 0) -> Any:
+def make_engine(stage: int, dtype: str = "fp32", *, size: str = "tiny", seed: int = 0,
+                load_universal: bool = False) -> Any:
     """``deepspeed.initialize`` on the workload model; every rank must call it."""
     import deepspeed
 
     model = build_model(size, seed=seed)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage, dtype))
+    config = ds_config(stage, dtype, load_universal=load_universal)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from async_ckpt import commit
 from async_ckpt.errors import SaveFailedError
-from async_ckpt.handle import SaveResult
+from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.job import SaveJob
 from async_ckpt.manifest import FileEntry
 from async_ckpt.serialization import write_torch_file
@@ -36,8 +36,10 @@ def lower_thread_priority(nice: int) -> None:
 
 class BackgroundWriter:
     def __init__(self, rank: int, commit_timeout_s: float,
-                 on_failure: Callable[[SaveFailedError], None], *, nice: int = 0, exact_bytes: bool = True) -> None:
+                 on_failure: Callable[[SaveFailedError], None], *, nice: int = 0, exact_bytes: bool = True,
+                 on_done: Callable[[SaveHandle], None] | None = None) -> None:
         self._rank = rank
+        self._on_done = on_done
         self._exact_bytes = exact_bytes
         self._nice = nice
         self._commit_timeout_s = commit_timeout_s
@@ -62,6 +64,11 @@ class BackgroundWriter:
         lower_thread_priority(self._nice)
         while (job := self._queue.get()) is not None:
             self._execute(job)
+            if self._on_done is not None:
+                try:
+                    self._on_done(job.handle)
+                except Exception:
+                    logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
 
     def _execute(self, job: SaveJob) -> None:
         written: list[FileEntry] = []

@@ -265,8 +265,17 @@ class AsyncCkptTuned(AsyncCkpt):
         super().__init__(engine, target, rank, overlap_copy=True, writer_nice=10)
 
 
-METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptOverlap,
-                               AsyncCkptTuned)}
+class AsyncCkptStream(AsyncCkpt):
+    """Defaults but ``exact_bytes=False``: what byte-identical files cost (one pipe copy per file)."""
+
+    name = "async_ckpt_stream"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        super().__init__(engine, target, rank, exact_bytes=False)
+
+
+METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptStream,
+                               AsyncCkptOverlap, AsyncCkptTuned)}
 
 
 def clean(path: str) -> None:

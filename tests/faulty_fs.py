@@ -2,7 +2,10 @@
 
 Registered as ``faulty://`` inside the rank processes. ``storage_options``:
 ``gate`` (a path: writes of ``*.pt`` files block until it exists), ``gate_ranks`` (ranks the gate applies to,
-default all), ``gate_match`` (gate only paths containing this, default ``.pt.``), ``fail_ranks`` (ranks whose writes of ``*.pt`` files raise ENOSPC).
+default all), ``gate_match`` (gate only paths containing this, default ``.pt.``), ``fail_ranks`` (ranks whose
+writes of ``*.pt`` files fail), ``fail_errno`` (the error they get: ``ENOSPC`` by default, ``EIO``, ``EACCES``...),
+``fail_after_bytes`` (bytes of each such file written before the failure, default 0), ``latency_s`` (sleep
+before every write of a ``*.pt`` file, on every rank).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class _FaultyWriter:
         self._inner = inner
         self._fs = fs
         self._path = path
+        self._written = 0
 
     def write(self, data):
         rank = int(os.environ.get("RANK", "0"))
@@ -32,9 +36,18 @@ class _FaultyWriter:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"test gate {self._fs.gate} never opened")
                 time.sleep(0.01)
+        if data_file and self._fs.latency_s:
+            time.sleep(self._fs.latency_s)
         if rank in self._fs.fail_ranks and data_file:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", self._path)
-        return self._inner.write(data)
+            room = self._fs.fail_after_bytes - self._written
+            if len(data) > room:
+                if room > 0:
+                    self._written += self._inner.write(memoryview(data)[:room])
+                code = getattr(errno, self._fs.fail_errno)
+                raise OSError(code, f"{os.strerror(code)} (injected)", self._path)
+        n = self._inner.write(data)
+        self._written += n if n is not None else len(data)
+        return n
 
     def flush(self):
         self._inner.flush()
@@ -47,8 +60,11 @@ class FaultyFileSystem(LocalFileSystem):
     protocol = ("faulty",)
 
     def __init__(self, gate: str | None = None, gate_ranks=None, gate_match: str = ".pt.", fail_ranks=(),
-                 **kwargs) -> None:
+                 fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.fail_errno = fail_errno
+        self.fail_after_bytes = fail_after_bytes
+        self.latency_s = latency_s
         self.gate = gate
         self.gate_match = gate_match
         self.gate_ranks = set(gate_ranks) if gate_ranks is not None else set(range(64))

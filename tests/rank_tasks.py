@@ -167,8 +167,8 @@ def bad_inputs(root: str, not_a_dir: str) -> dict:
     return out
 
 
-def failing_write_keeps_previous(root: str, on_error: str) -> dict:
-    """Rank 1's data write fails (ENOSPC): the tag fails on every rank; 'latest' keeps the previous tag."""
+def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "ENOSPC", after_bytes: int = 0) -> dict:
+    """Rank 1's data write fails (after some bytes): the tag fails on every rank; 'latest' keeps the previous tag."""
     from faulty_fs import register
 
     register()
@@ -178,7 +178,8 @@ def failing_write_keeps_previous(root: str, on_error: str) -> dict:
     good = async_ckpt.wrap(engine, f"faulty://{root}")
     good.save(tag="good").result(timeout=60)
     good.close()
-    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"fail_ranks": [1]}, on_error=on_error)
+    faults = {"fail_ranks": [1], "fail_errno": fail_errno, "fail_after_bytes": after_bytes}
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, on_error=on_error)
     handle = ckpt.save(tag="bad")
     error = handle.exception(timeout=120)
     dist.barrier()
@@ -351,8 +352,80 @@ def killed_mid_save(root: str, gate: str, phase: str, results: str) -> dict:
     return {"survivor": _rank()}
 
 
-def resume_latest(root: str) -> dict:
-    engine = workload.make_engine(2, "fp32", seed=77)
-    with async_ckpt.wrap(engine, root) as ckpt:
+def killed_mid_s3_upload(url: str, options: dict, proxy: str, results: str) -> dict:
+    """Commit 'good' to S3, train on, then SIGKILL rank 1 while its multipart upload of 'doomed' is in flight
+    (the proxy holds its part uploads, so the upload stays open)."""
+    import json
+    import signal
+
+    from s3_server import set_hold
+
+    engine = workload.make_engine(2, "fp32", size="small")
+    tokens = _tokens()
+    workload.train(engine, 2, tokens, _rank())
+    ckpt = async_ckpt.wrap(engine, url, storage_options=options, part_size=5 * 1024 * 1024)
+    ckpt.save(tag="good").result(timeout=120)
+    losses = workload.train(engine, STEPS_AFTER, tokens, _rank())
+    with open(f"{results}.{_rank()}.json", "w") as fh:
+        json.dump({"losses_after_good": losses}, fh)
+    if _rank() == 1:
+        set_hold(proxy, "doomed/zero_pp_rank_1")
+    dist.barrier()
+    ckpt.save(tag="doomed")
+    if _rank() == 1:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+                "doomed/zero_pp_rank_1" in key for key, _, _ in ckpt.storage.list_incomplete_uploads()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"survivor": _rank()}
+
+
+def resume_latest(root: str, options: dict | None = None, size: str = "tiny", cache_dir: str | None = None) -> dict:
+    engine = workload.make_engine(2, "fp32", seed=77, size=size)
+    extra = {"cache_dir": f"{cache_dir}/rank{_rank()}"} if cache_dir else {}
+    with async_ckpt.wrap(engine, root, storage_options=options, **extra) as ckpt:
         tag, _ = ckpt.load()
     return {"tag": tag, "losses": workload.train(engine, STEPS_AFTER, _tokens(), _rank())}
+
+
+def load_outcome(stage: int, url: str, options: dict | None, tag: str | None) -> tuple[str, str] | None:
+    """``ckpt.load(tag)`` on a plain (non-universal) engine: the error it raises, if any."""
+    engine = workload.make_engine(stage, "fp32", seed=99)
+    with async_ckpt.wrap(engine, url, storage_options=options) as ckpt:
+        return _outcome(lambda: ckpt.load(tag))
+
+
+def save_done_callback(root: str) -> dict:
+    """A tracker callback sees every finished save; one that raises does not break saving."""
+    seen = []
+
+    def record(handle) -> None:
+        seen.append({"tag": handle.tag, "done": handle.done(), "ok": handle.exception() is None,
+                     "metrics": sorted(handle.metrics)})
+
+    def explode(handle) -> None:
+        raise RuntimeError("tracker is down")
+
+    engine = workload.make_engine(1, "fp32")
+    with async_ckpt.wrap(engine, f"{root}/a", on_save_done=record) as ckpt:
+        ckpt.save(tag="one").result(timeout=60)
+    with async_ckpt.wrap(engine, f"{root}/b", on_save_done=explode) as ckpt:
+        committed = ckpt.save(tag="two").result(timeout=60).tag
+    return {"seen": seen, "committed_despite_raising_callback": committed}
+
+
+def save_to_slow_storage(root: str) -> dict:
+    """Every data write is slow: training steps run on while the save persists, and it still commits."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    tokens = _tokens()
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"latency_s": 0.3}) as ckpt:
+        handle = ckpt.save(tag="slow")
+        losses = workload.train(engine, 2, tokens, _rank())
+        done_after_steps = handle.done()
+        tag = handle.result(timeout=120).tag
+    return {"steps": len(losses), "done_after_steps": done_after_steps, "tag": tag,
+            "latest": open(f"{root}/latest").read()}

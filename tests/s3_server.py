@@ -9,6 +9,8 @@ from __future__ import annotations
 import http.client
 import os
 import threading
+import time
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -58,18 +60,26 @@ class S3Server:
 
 
 class FaultProxy:
-    """An HTTP proxy in front of the S3 endpoint that answers UploadPart with 503 SlowDown.
+    """An HTTP proxy in front of the S3 endpoint that makes UploadPart requests fail.
 
-    ``fail_next_parts(n)`` fails the next n part uploads (transient); ``fail_all_parts()`` fails
-    every one (permanent); ``heal()`` stops injecting. Other processes (the ranks) do the same
-    with ``POST {endpoint}/__faults__?parts=N`` (see :func:`set_faults`). Everything else passes
-    through unchanged.
+    The fault ``kind`` is ``"503"`` (a SlowDown answer), ``"reset"`` (the connection is closed
+    without an answer) or ``"stall"`` (no answer for ``stall_s`` seconds, then the connection is
+    closed: a client read timeout shorter than that sees a timeout). ``fail_next_parts(n)`` fails
+    the next n part uploads (transient); ``fail_all_parts()`` fails every one (permanent);
+    ``heal()`` stops injecting. Other processes (the ranks) do the same with
+    ``POST {endpoint}/__faults__?parts=N`` (see :func:`set_faults`). ``hold`` (or
+    ``?hold=TEXT``, :func:`set_hold`) makes part uploads whose path contains TEXT hang until
+    ``heal()``: an upload that stays in flight, for kill tests. Everything else passes through
+    unchanged.
     """
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlsplit(upstream)
         self._lock = threading.Lock()
         self._budget = 0
+        self.kind = "503"
+        self.stall_s = 3.0
+        self.hold = ""
         self.injected = 0
         proxy = self
 
@@ -85,12 +95,24 @@ class FaultProxy:
                 query = parse_qs(urlsplit(self.path).query)
                 if self.path.startswith("/__faults__"):  # control: parts=N fails the next N, -1 all, 0 heals
                     with proxy._lock:
-                        proxy._budget = int(query["parts"][0])
+                        if "parts" in query:
+                            proxy._budget = int(query["parts"][0])
+                        proxy.hold = query.get("hold", [proxy.hold])[0]
                     self.send_response(200)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
+                if self.command == "PUT" and "partNumber" in query and proxy.hold and proxy.hold in self.path:
+                    while proxy.hold and proxy.hold in self.path:
+                        time.sleep(0.05)
+                    self.close_connection = True
+                    return
                 if self.command == "PUT" and "partNumber" in query and proxy._take_fault():
+                    if proxy.kind in ("reset", "stall"):
+                        if proxy.kind == "stall":
+                            time.sleep(proxy.stall_s)
+                        self.close_connection = True  # no answer: the client sees a dropped connection
+                        return
                     payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
                                b"<Message>Please reduce your request rate.</Message></Error>")
                     self.send_response(503)
@@ -130,9 +152,10 @@ class FaultProxy:
                 return True
             return False
 
-    def fail_next_parts(self, n: int) -> None:
+    def fail_next_parts(self, n: int, kind: str = "503") -> None:
         with self._lock:
             self._budget = n
+            self.kind = kind
 
     def fail_all_parts(self) -> None:
         with self._lock:
@@ -141,8 +164,10 @@ class FaultProxy:
     def heal(self) -> None:
         with self._lock:
             self._budget = 0
+            self.hold = ""
 
     def stop(self) -> None:
+        self.heal()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
@@ -156,4 +181,10 @@ def options(endpoint: str, **extra) -> dict:
 def set_faults(proxy_endpoint: str, parts: int) -> None:
     """From any process: fail the next ``parts`` part uploads (-1: all, 0: none)."""
     req = urllib.request.Request(f"{proxy_endpoint}/__faults__?parts={parts}", method="POST")
+    urllib.request.urlopen(req).read()
+
+
+def set_hold(proxy_endpoint: str, match: str) -> None:
+    """From any process: hang part uploads whose path contains ``match`` ('' releases them)."""
+    req = urllib.request.Request(f"{proxy_endpoint}/__faults__?hold={urllib.parse.quote(match)}", method="POST")
     urllib.request.urlopen(req).read()

@@ -67,3 +67,12 @@ def test_state_changed_after_save_does_not_leak_into_the_checkpoint(ranks, tmp_p
     assert [p.name for p in ours] == [p.name for p in reference] and reference
     for ref, got in zip(reference, ours):
         _assert_same_tensors(torch.load(ref, weights_only=False), torch.load(got, weights_only=False), ref.name)
+
+
+def test_on_save_done_callback_gets_every_finished_save_and_cannot_break_saving(ranks, tmp_path):
+    out = ranks.run(rank_tasks.save_done_callback, str(tmp_path))
+    for rank_out in out:
+        assert [s["tag"] for s in rank_out["seen"]] == ["one"]
+        assert rank_out["seen"][0]["done"] and rank_out["seen"][0]["ok"]
+        assert {"stall_s", "persist_s", "bytes_written", "durable_s"} <= set(rank_out["seen"][0]["metrics"])
+        assert rank_out["committed_despite_raising_callback"] == "two"

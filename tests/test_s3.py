@@ -54,7 +54,7 @@ def test_bytes_read_per_rank_are_only_the_files_it_needs(in_bucket, s3):
 def test_second_resume_with_valid_cache_downloads_nothing(in_bucket):
     for out in in_bucket["resumed"]:
         assert out["second"]["files_fetched"] == 0
-        assert out["second"]["files_cached"] == len(out["second"]["files"])
+        assert out["second"]["files_skipped"] == len(out["second"]["files"])
 
 
 def test_cache_entry_failing_verification_is_fetched_again(in_bucket):

@@ -10,7 +10,8 @@ import torch
 from async_ckpt.serialization import write_torch_file
 from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage.s3 import S3Storage
-from s3_server import options
+from async_ckpt.storage.retry import RetryPolicy
+from s3_server import FaultProxy, options
 
 STATE = {"weights": torch.arange(1_000_003, dtype=torch.float32), "step": 7, "nested": [torch.ones(3, 5)]}
 
@@ -68,3 +69,21 @@ def test_s3_ranged_download_reassembles_the_object(s3, bucket, tmp_path):
     storage.get_file("blob.bin", str(tmp_path / "blob.bin"))
     assert (tmp_path / "blob.bin").read_bytes() == payload
     assert storage.stats.bytes_downloaded == len(payload)
+
+
+@pytest.mark.parametrize("kind", ["503", "reset", "stall"])
+def test_s3_upload_survives_transient_part_faults(s3, bucket, kind):
+    proxy = FaultProxy(s3.endpoint)
+    proxy.stall_s = 3.0
+    try:
+        proxy.fail_next_parts(2, kind=kind)
+        opts = options(proxy.endpoint, config_kwargs={"read_timeout": 1.0, "connect_timeout": 2})
+        storage = open_storage(f"s3://{bucket}/run", opts, part_size=5 * 1024 * 1024,
+                               retry=RetryPolicy(attempts=6, base_delay_s=0.05))
+        payload = os.urandom(11 * 1024 * 1024)
+        with storage.open_write("tag/blob.bin") as stream:
+            stream.write(payload)
+        assert proxy.injected == 2
+        assert s3.client().get_object(Bucket=bucket, Key="run/tag/blob.bin")["Body"].read() == payload
+    finally:
+        proxy.stop()

@@ -2,45 +2,61 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 
 import rank_tasks
 
 
-@pytest.fixture(scope="module", params=["warn", "raise"])
+FAULTS = [("warn", "ENOSPC", 0), ("raise", "ENOSPC", 0), ("warn", "EIO", 100_000), ("warn", "EACCES", 100_000)]
+
+
+@pytest.fixture(scope="module", params=FAULTS, ids=[f"{m}-{e}-after{n}" for m, e, n in FAULTS])
 def failed(request, ranks, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"fail-{request.param}")
-    return request.param, ranks.run(rank_tasks.failing_write_keeps_previous, str(root), request.param)
+    """Rank 1's optimizer-file write fails: at once (disk full), or mid-file (I/O error, permission denied)."""
+    mode, fail_errno, after_bytes = request.param
+    root = tmp_path_factory.mktemp(f"fail-{mode}-{fail_errno}")
+    out = ranks.run(rank_tasks.failing_write_keeps_previous, str(root), mode, fail_errno, after_bytes)
+    return mode, out, os.strerror(getattr(errno, fail_errno))
 
 
 def test_every_rank_handle_reports_the_failure(failed):
-    _, out = failed
+    _, out, _ = failed
     for rank in out:
         kind, message = rank["handle_error"]
         assert kind == "SaveFailedError" and "'bad'" in message and "rank 1" in message
 
 
 def test_failing_rank_error_names_file_and_cause(failed):
-    _, out = failed
+    _, out, cause = failed
     message = out[1]["handle_error"][1]
-    assert "optim_states.pt" in message and "No space left" in message
+    assert "optim_states.pt" in message and cause in message
 
 
 def test_latest_still_names_the_previous_tag(failed):
-    _, out = failed
+    _, out, _ = failed
     assert [r["latest"] for r in out] == ["good", "good"]
     assert out[0]["bad_manifest"] is False
 
 
 def test_failed_tag_leaves_no_partial_data_files(failed):
-    _, out = failed
+    _, out, _ = failed
     assert out[1]["bad_data_files"] == []
 
 
 def test_next_save_raises_only_when_on_error_is_raise(failed):
-    mode, out = failed
+    mode, out, _ = failed
     for rank in out:
         if mode == "raise":
             assert rank["next_save"][0] == "SaveFailedError"
         else:
             assert rank["next_save"] is None
+
+
+def test_slow_storage_delays_durability_not_training(ranks, tmp_path):
+    out = ranks.run(rank_tasks.save_to_slow_storage, str(tmp_path))
+    for rank in out:
+        assert rank["steps"] == 2 and rank["done_after_steps"] is False
+        assert rank["tag"] == "slow" and rank["latest"] == "slow"

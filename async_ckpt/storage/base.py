@@ -10,9 +10,13 @@ from __future__ import annotations
 import abc
 import contextlib
 import uuid
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from async_ckpt.errors import StorageError
+
+
+#: Called with the number of bytes just transferred (for progress bars).
+Progress = Callable[[int], None]
 
 
 class Storage(abc.ABC):
@@ -54,8 +58,13 @@ class Storage(abc.ABC):
         """Remove a file (or a folder with ``recursive``); a missing path is not an error."""
 
     @abc.abstractmethod
-    def get_file(self, relpath: str, local_path: str) -> None:
-        """Copy ``relpath`` to a local file."""
+    def get_file(self, relpath: str, local_path: str, *, progress: Progress | None = None,
+                 resume: bool = False) -> None:
+        """Copy ``relpath`` to a local file.
+
+        ``progress(n)`` is called as bytes arrive. With ``resume``, what an interrupted earlier
+        call already wrote to ``local_path`` is kept and only the rest is fetched.
+        """
 
     def local_dir(self) -> str | None:
         """The root as a local folder, when DeepSpeed can read it in place; else ``None``."""

@@ -8,13 +8,16 @@ reader never sees half a file under a name DeepSpeed's globs match.
 from __future__ import annotations
 
 import contextlib
+import os
 import posixpath
 import uuid
 from typing import BinaryIO, Iterator
 
 import fsspec
 
-from async_ckpt.storage.base import Storage
+from async_ckpt.storage.base import Progress, Storage
+
+_COPY_CHUNK = 8 * 1024 * 1024
 
 
 class FsspecStorage(Storage):
@@ -93,5 +96,16 @@ class FsspecStorage(Storage):
         value = info.get("mtime", info.get("LastModified", info.get("created", 0.0)))
         return value.timestamp() if hasattr(value, "timestamp") else float(value)
 
-    def get_file(self, relpath: str, local_path: str) -> None:
-        self.fs.get_file(self.full_path(relpath), local_path)
+    def get_file(self, relpath: str, local_path: str, *, progress: Progress | None = None,
+                 resume: bool = False) -> None:
+        """Sequential copy, so a partial local file is always a valid prefix to resume from."""
+        offset = os.path.getsize(local_path) if resume and os.path.exists(local_path) else 0
+        with self.fs.open(self.full_path(relpath), "rb") as src, open(local_path, "ab" if offset else "wb") as dst:
+            if offset:
+                src.seek(offset)
+                if progress:
+                    progress(offset)
+            while chunk := src.read(_COPY_CHUNK):
+                dst.write(chunk)
+                if progress:
+                    progress(len(chunk))

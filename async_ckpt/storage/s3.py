@@ -7,7 +7,7 @@ request is retried on transient errors with backoff and jitter; if a part still 
 multipart upload is aborted, so no orphaned parts stay behind. An object becomes visible only
 when its upload completes, which is what makes a commit's ``latest`` PUT atomic.
 
-Downloads for resume use parallel ranged GETs written straight into the local file.
+Downloads use parallel ranged GETs written straight into the local file, resumable part by part.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import fsspec.asyn
 import s3fs
 
 from async_ckpt.errors import StorageError
+from async_ckpt.storage.base import Progress
 from async_ckpt.storage.fsspec_store import FsspecStorage
 from async_ckpt.storage.retry import RetryPolicy
 
@@ -49,6 +50,47 @@ class TransferStats:
     def note_buffered(self, nbytes: int) -> None:
         with self._lock:
             self.peak_buffered_bytes = max(self.peak_buffered_bytes, nbytes)
+
+
+class PartJournal:
+    """Which parts of a download are on disk: a header line, then one finished part offset per line.
+
+    A journal written for another object size or part size is ignored (the download restarts).
+    """
+
+    def __init__(self, path: str, size: int, part_size: int) -> None:
+        self.path = path
+        self._header = f"{size} {part_size}"
+        self._fh: Any = None
+
+    def load(self) -> set[int]:
+        try:
+            with open(self.path) as fh:
+                lines = fh.read().splitlines()
+        except FileNotFoundError:
+            return set()
+        if not lines or lines[0] != self._header:
+            return set()
+        return {int(line) for line in lines[1:] if line.strip().isdigit()}
+
+    def start(self, *, keep: bool) -> None:
+        self._fh = open(self.path, "a" if keep else "w")  # noqa: SIM115 (closed in close())
+        if not keep:
+            self._fh.write(self._header + "\n")
+            self._fh.flush()
+
+    def record(self, start: int) -> None:
+        self._fh.write(f"{start}\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
 
 class S3Storage(FsspecStorage):
@@ -88,19 +130,29 @@ class S3Storage(FsspecStorage):
             upload.abort()
             raise
 
-    def get_file(self, relpath: str, local_path: str) -> None:
-        """Parallel ranged GETs of ``part_size`` bytes, written in place with ``pwrite``."""
-        key = self._key(relpath)
-        fsspec.asyn.sync(self.fs.loop, self._download, key, local_path)
+    def get_file(self, relpath: str, local_path: str, *, progress: Progress | None = None,
+                 resume: bool = False) -> None:
+        """Parallel ranged GETs of ``part_size`` bytes, written in place with ``pwrite``.
 
-    async def _download(self, key: str, local_path: str) -> None:
+        Parts finish out of order, so a journal next to the file (``<file>.parts``) records each
+        finished part; ``resume`` skips those and fetches only the rest.
+        """
+        key = self._key(relpath)
+        fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
+
+    async def _download(self, key: str, local_path: str, progress: Progress | None, resume: bool) -> None:
         s3 = await self._client()
         head = await self.retry.run(f"HEAD {key}", lambda: s3.head_object(Bucket=self.bucket, Key=key))
         size = int(head["ContentLength"])
+        journal = PartJournal(f"{local_path}.parts", size, self.part_size)
+        done = journal.load() if resume and os.path.exists(local_path) else set()
+        if progress and done:
+            progress(sum(min(self.part_size, size - start) for start in done))
         gate = asyncio.Semaphore(self.max_concurrency)
-        fd = os.open(local_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(local_path, os.O_WRONLY | os.O_CREAT | (0 if done else os.O_TRUNC), 0o644)
         try:
             os.ftruncate(fd, size)
+            journal.start(keep=bool(done))
 
             async def fetch(start: int) -> None:
                 end = min(start + self.part_size, size) - 1
@@ -114,12 +166,17 @@ class S3Storage(FsspecStorage):
                 if len(data) != end - start + 1:
                     raise StorageError(f"s3://{self.bucket}/{key}: short read at {start} ({len(data)} bytes)")
                 os.pwrite(fd, data, start)
+                journal.record(start)
                 self.stats.add(bytes_downloaded=len(data))
+                if progress:
+                    progress(len(data))
 
-            await asyncio.gather(*(fetch(start) for start in range(0, size, self.part_size)))
+            await asyncio.gather(*(fetch(start) for start in range(0, size, self.part_size) if start not in done))
             self.stats.add(objects_downloaded=1)
         finally:
             os.close(fd)
+            journal.close()
+        journal.remove()
 
     def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
         async def listing() -> list[tuple[str, str, float]]:

@@ -1,0 +1,141 @@
+"""Export: turn a committed ZeRO checkpoint into a Hugging Face model folder.
+
+The consolidation is DeepSpeed's own (``zero_to_fp32``'s ``get_fp32_state_dict_from_zero_checkpoint``,
+which merges every rank's fp32 partitions); this module only fetches the files it needs, casts,
+and writes the result the way ``transformers`` expects: weight shards with an index, plus the
+tokenizer and model config that the commit stored in the tag folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from async_ckpt.errors import UsageError
+from async_ckpt.layout import MANIFEST
+from async_ckpt.manifest import Manifest
+from async_ckpt.pull import pull
+from async_ckpt.storage.base import Storage
+
+logger = logging.getLogger("async_ckpt")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_SHARD_BYTES = 5 * 1000**3
+
+
+@dataclass
+class ExportReport:
+    tag: str
+    out_dir: str
+    dtype: str
+    tensors: int = 0
+    total_bytes: int = 0
+    shards: list[str] = field(default_factory=list)
+    tied_aliases: list[str] = field(default_factory=list)
+    extra_files: list[str] = field(default_factory=list)
+
+
+def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str = "fp32",
+              safetensors: bool = True, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+              show_progress: bool = True) -> ExportReport:
+    """Write the consolidated weights of ``manifest``'s tag to ``out_dir`` as a Hugging Face folder.
+
+    Tied weights (e.g. ``lm_head.weight`` sharing ``wte.weight``) are written once, as
+    ``save_pretrained`` does; ``from_pretrained`` ties them again from the config.
+    """
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    if max_shard_bytes <= 0:
+        raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    local = storage.local_dir()
+    with tempfile.TemporaryDirectory(prefix="async_ckpt_export_") as scratch:
+        root = local
+        if root is None:
+            root = os.path.join(scratch, "pulled")
+            pull(storage, manifest, root, show_progress=show_progress)
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress prints; stdout is for --json
+            state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
+        os.makedirs(out_dir, exist_ok=True)
+        report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
+        tensors = _without_aliases(state, report)
+        tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in tensors.items()}
+        _write_shards(tensors, out_dir, safetensors, max_shard_bytes, report)
+        tag_dir = os.path.join(root, manifest.tag)
+        for entry in manifest.files:
+            if entry.path.endswith(".pt") or entry.path == MANIFEST or "/" in entry.path:
+                continue
+            shutil.copyfile(os.path.join(tag_dir, entry.path), os.path.join(out_dir, entry.path))
+            report.extra_files.append(entry.path)
+    if "config.json" in report.extra_files:
+        _set_config_dtype(os.path.join(out_dir, "config.json"), DTYPES[dtype])
+    logger.info("exported %s to %s: %d tensors, %.3f GB %s in %d shard(s), tied aliases %s, with %s",
+                manifest.tag, out_dir, report.tensors, report.total_bytes / 1e9, dtype, len(report.shards),
+                report.tied_aliases or "none", report.extra_files or "no tokenizer/config")
+    return report
+
+
+def _without_aliases(state: dict[str, torch.Tensor], report: ExportReport) -> dict[str, torch.Tensor]:
+    """Drop names whose tensor shares storage with an earlier name (safetensors refuses them)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    kept: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            report.tied_aliases.append(name)
+            continue
+        seen.add(key)
+        kept[name] = tensor
+    return kept
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], out_dir: str, safetensors: bool, max_shard_bytes: int,
+                  report: ExportReport) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    filled = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and filled + nbytes > max_shard_bytes:
+            shards.append({})
+            filled = 0
+        shards[-1][name] = tensor
+        filled += nbytes
+        report.total_bytes += nbytes
+    stem, ext, index_name = (("model", "safetensors", "model.safetensors.index.json") if safetensors
+                             else ("pytorch_model", "bin", "pytorch_model.bin.index.json"))
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        file_name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+        path = os.path.join(out_dir, file_name)
+        if safetensors:
+            from safetensors.torch import save_file
+
+            save_file(shard, path, metadata={"format": "pt"})
+        else:
+            torch.save(shard, path)
+        weight_map.update(dict.fromkeys(shard, file_name))
+        report.shards.append(file_name)
+    report.tensors = len(weight_map)
+    with open(os.path.join(out_dir, index_name), "w") as fh:
+        json.dump({"metadata": {"total_size": report.total_bytes}, "weight_map": weight_map}, fh, indent=2)
+
+
+def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
+    """Record the exported dtype in config.json, as ``save_pretrained`` does."""
+    with open(path) as fh:
+        config = json.load(fh)
+    name = str(dtype).removeprefix("torch.")
+    config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = name
+    with open(path, "w") as fh:
+        json.dump(config, fh, indent=2, sort_keys=True)

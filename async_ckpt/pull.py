@@ -1,0 +1,151 @@
+"""Pull: copy a committed tag from any storage into a local folder, verified and resumable.
+
+DeepSpeed's ``load_checkpoint``, ``zero_to_fp32.py`` and ``ds_to_universal.py`` only read local
+folders, so every path from object storage back into DeepSpeed goes through here: resume fetches
+the files one rank reads into its cache, ``async-ckpt pull`` fetches a whole tag (or one rank's
+share) into a folder laid out like a stock DeepSpeed checkpoint root (``latest``, the tag folder,
+``zero_to_fp32.py``).
+
+Every file is checked against the manifest's size and CRC-32 before it takes its final name, and
+a file already present and correct is not fetched again. A pull that was interrupted picks up
+where it stopped: finished files are skipped and a partly fetched file keeps the parts it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import deepspeed
+
+from async_ckpt.errors import UsageError, VerificationError
+from async_ckpt.layout import LATEST, MANIFEST, RECOVERY_SCRIPTS, files_for_rank
+from async_ckpt.manifest import FileEntry, Manifest
+from async_ckpt.storage.base import Progress, Storage
+from async_ckpt.verify import check_local_file
+
+logger = logging.getLogger("async_ckpt")
+
+
+@dataclass
+class PullReport:
+    """What a pull (or a resume's fetch) moved."""
+
+    tag: str
+    dest: str
+    files_fetched: int = 0
+    files_skipped: int = 0
+    bytes_fetched: int = 0
+    seconds: float = 0.0
+    files: list[str] = field(default_factory=list)
+
+
+def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag_dir: str, *,
+             max_concurrency: int, resumable: bool, progress: Progress | None = None) -> PullReport:
+    """Fetch ``entries`` of ``manifest`` into ``tag_dir``, verified; skip files already correct there.
+
+    ``resumable`` keeps partial files under a stable name for the next attempt; without it each
+    process uses its own temporary name (ranks of one node may fetch the same file into one cache).
+    """
+    started = time.perf_counter()
+    report = PullReport(tag=manifest.tag, dest=tag_dir, files=[e.path for e in entries])
+
+    def fetch(entry: FileEntry) -> int:
+        dest = os.path.join(tag_dir, *entry.path.split("/"))
+        if check_local_file(dest, entry).ok:
+            if progress:
+                progress(entry.size)
+            return -1
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = f"{dest}.partial" if resumable else f"{dest}.{os.getpid()}.partial"
+        storage.get_file(f"{manifest.tag}/{entry.path}", tmp, progress=progress, resume=resumable)
+        check = check_local_file(tmp, entry)
+        if not check.ok:
+            os.unlink(tmp)
+            raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: {check.problem}; the stored "
+                                    "file is corrupt or was changed after the commit")
+        os.replace(tmp, dest)
+        return entry.size
+
+    with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="async_ckpt-fetch") as pool:
+        for nbytes in pool.map(fetch, entries):
+            if nbytes < 0:
+                report.files_skipped += 1
+            else:
+                report.files_fetched += 1
+                report.bytes_fetched += nbytes
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = None,
+         max_concurrency: int = 8, show_progress: bool = True) -> PullReport:
+    """Copy the committed tag of ``manifest`` into ``dest`` as a DeepSpeed checkpoint root.
+
+    With ``rank``, only the files that data-parallel rank reads (plus the small non-tensor files:
+    tokenizer, config) are fetched: enough for that rank's ``load_checkpoint``.
+    """
+    local = storage.local_dir()
+    if local is not None and os.path.realpath(local) == os.path.realpath(dest):
+        raise UsageError(f"--dest {dest} is the checkpoint root itself; pull into another folder")
+    paths = [f.path for f in manifest.files]
+    if rank is not None:
+        if not 0 <= rank < manifest.world_size:
+            raise UsageError(f"rank {rank} does not exist in tag {manifest.tag!r}, saved by "
+                             f"{manifest.world_size} rank(s); pass --rank 0..{manifest.world_size - 1}")
+        keep = set(files_for_rank(paths, rank)) | {p for p in paths if not p.endswith(".pt")}
+        paths = [p for p in paths if p in keep]
+    entries = [manifest.entry(p) for p in paths]
+    tag_dir = os.path.join(dest, manifest.tag)
+    os.makedirs(tag_dir, exist_ok=True)
+    total = sum(e.size for e in entries)
+    bar = _ProgressBar(total, f"pull {manifest.tag}", show_progress)
+    try:
+        report = download(storage, manifest, entries, tag_dir, max_concurrency=max_concurrency,
+                          resumable=True, progress=bar)
+    finally:
+        bar.close()
+    report.dest = dest
+    with open(os.path.join(tag_dir, MANIFEST), "wb") as fh:
+        fh.write(manifest.to_json())
+    for script in RECOVERY_SCRIPTS:
+        with open(os.path.join(dest, script), "wb") as fh:
+            fh.write(_recovery_script(storage, script))
+        os.chmod(os.path.join(dest, script), 0o755)
+    with open(os.path.join(dest, LATEST), "w") as fh:
+        fh.write(manifest.tag)
+    logger.info("pulled %s from %s into %s: %d file(s), %.3f GB fetched, %d already there, %.2f s",
+                manifest.tag, storage.url, dest, report.files_fetched, report.bytes_fetched / 1e9,
+                report.files_skipped, report.seconds)
+    return report
+
+
+def _recovery_script(storage: Storage, name: str) -> bytes:
+    """The script saved with the checkpoint, else the installed DeepSpeed's copy."""
+    try:
+        return storage.read_bytes(name)
+    except FileNotFoundError:
+        with open(os.path.join(os.path.dirname(deepspeed.__file__), "utils", name), "rb") as fh:
+            return fh.read()
+
+
+class _ProgressBar:
+    """A thread-safe tqdm byte counter (a no-op when disabled)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                         disable=not enabled, dynamic_ncols=True)
+        self._lock = threading.Lock()
+
+    def __call__(self, nbytes: int) -> None:
+        with self._lock:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        self._bar.close()

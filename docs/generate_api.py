@@ -1,0 +1,80 @@
+"""Write docs/api.md from the public API's signatures and docstrings.
+
+Run ``python docs/generate_api.py`` after changing a public signature or docstring; a test fails
+while docs/api.md differs from what this script writes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Any
+
+HEADER = """# async_ckpt API reference
+
+Generated from the docstrings by `python docs/generate_api.py`; do not edit by hand.
+The README has the guarantees, the limits and the command line.
+"""
+
+
+def _doc(obj: Any) -> str:
+    return inspect.cleandoc(obj.__doc__ or "(no docstring)")
+
+
+def _signature(name: str, obj: Any) -> str:
+    try:
+        return f"{name}{inspect.signature(obj)}"
+    except (TypeError, ValueError):
+        return name
+
+
+def _function(name: str, obj: Any, level: str = "###") -> list[str]:
+    return [f"{level} `{_signature(name, obj)}`", "", _doc(obj), ""]
+
+
+def _class(cls: type, methods: list[str]) -> list[str]:
+    lines = [f"### class `{cls.__name__}`", "", _doc(cls), ""]
+    for method in methods:
+        attr = inspect.getattr_static(cls, method)
+        target = attr.fget if isinstance(attr, property) else getattr(cls, method)
+        lines += _function(f"{cls.__name__}.{method}", target, "####")
+    return lines
+
+
+def render() -> str:
+    import async_ckpt
+    from async_ckpt import errors
+    from async_ckpt.export import export_hf
+    from async_ckpt.pull import pull
+    from async_ckpt.resume import resolve
+    from async_ckpt.universal import to_universal
+
+    lines = [HEADER, "## Wrapping an engine", ""]
+    lines += _function("async_ckpt.wrap", async_ckpt.wrap)
+    lines += _class(async_ckpt.AsyncCheckpointer, ["save", "wait", "load", "close"])
+    lines += _class(async_ckpt.SaveHandle, ["done", "result", "exception"])
+    lines += _class(async_ckpt.SaveResult, ["persist_gbps"])
+    lines += ["## Configuration", ""]
+    lines += _class(async_ckpt.CheckpointConfig, [])
+    lines += ["## Tools (the library behind the `async-ckpt` commands)", ""]
+    for name, fn in (("async_ckpt.resume.resolve", resolve), ("async_ckpt.pull.pull", pull),
+                     ("async_ckpt.export.export_hf", export_hf), ("async_ckpt.universal.to_universal", to_universal)):
+        lines += _function(name, fn)
+    lines += ["## Errors", "", "Every error derives from `AsyncCkptError` and says what to do.", ""]
+    for name in sorted(n for n in dir(errors) if n.endswith("Error")):
+        cls = getattr(errors, name)
+        bases = ", ".join(b.__name__ for b in cls.__bases__)
+        lines.append(f"- `{name}({bases})`: {_doc(cls).splitlines()[0]}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "api.md")
+    with open(path, "w") as fh:
+        fh.write(render())
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

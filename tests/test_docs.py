@@ -1,0 +1,23 @@
+"""The API reference is generated from the docstrings and kept in sync with them."""
+
+from __future__ import annotations
+
+import os
+import runpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_api_reference_matches_the_docstrings():
+    generator = runpy.run_path(os.path.join(ROOT, "docs", "generate_api.py"))
+    with open(os.path.join(ROOT, "docs", "api.md")) as fh:
+        assert fh.read() == generator["render"](), "docs/api.md is stale: run python docs/generate_api.py"
+
+
+def test_every_config_field_is_documented():
+    from dataclasses import fields
+
+    from async_ckpt import CheckpointConfig
+
+    doc = CheckpointConfig.__doc__ or ""
+    assert [f.name for f in fields(CheckpointConfig) if f"{f.name}:" not in doc] == []

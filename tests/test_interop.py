@@ -1,0 +1,227 @@
+"""pull, export and to-universal against local and moto-served S3 checkpoints, judged by DeepSpeed and transformers.
+
+A 2-rank run saves the same step with stock DeepSpeed, with async_ckpt to disk and with async_ckpt
+to S3. Pulls must reproduce DeepSpeed checkpoint roots, exports must load in transformers with the
+engine's logits, and universal conversions must resume on 1 rank exactly like the same conversion
+of the stock checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+import interop_tasks
+from async_ckpt.cli import main
+from async_ckpt.pull import pull
+from async_ckpt.resume import resolve
+from async_ckpt.storage.s3 import S3Storage
+from conftest import Ranks
+from s3_server import options
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+_RUNS: dict[int, dict] = {}
+
+
+def _saved(stage: int, ranks, s3, tmp_path_factory) -> dict:
+    """One run per ZeRO stage, shared by every test of this module."""
+    if stage not in _RUNS:
+        root = tmp_path_factory.mktemp(f"interop-zero{stage}")
+        bucket = s3.make_bucket(f"interop-zero{stage}")
+        url = f"s3://{bucket}/run"
+        out = ranks.run(interop_tasks.train_and_save_everywhere, stage, str(root / "local"), url,
+                        options(s3.endpoint), str(root / "stock"))
+        _RUNS[stage] = {"stage": stage, "root": root, "local": root / "local", "url": url, "bucket": bucket,
+                        "tag": out[0]["tags"][0], "s3_tag": out[0]["tags"][1], "logits": out[0]["logits"]}
+    return _RUNS[stage]
+
+
+@pytest.fixture(scope="module")
+def zero3(ranks, s3, tmp_path_factory):
+    return _saved(3, ranks, s3, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def converted(request, ranks, s3, tmp_path_factory):
+    """The S3 checkpoint converted by `to-universal` (to S3), and the stock one by ds_to_universal itself."""
+    run = _saved(request.param, ranks, s3, tmp_path_factory)
+    out_url = f"s3://{run['bucket']}/universal"
+    code = main(["to-universal", run["url"], "--endpoint", s3.endpoint, "--tag", run["s3_tag"], "--out", out_url,
+                 "--json"])
+    assert code == 0
+    stock_tag = (run["root"] / "stock" / "latest").read_text()
+    stock_out = run["root"] / "stock_universal" / f"{stock_tag}_universal"
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(run["root"] / "stock" / stock_tag), "--output_folder", str(stock_out),
+                    "--num_extract_workers", "2", "--num_merge_workers", "2", "--inject_missing_state"],
+                   check=True, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    return {**run, "out_url": out_url, "stock_universal": run["root"] / "stock_universal"}
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    group = Ranks(1)
+    yield group
+    group.close()
+
+
+def _consolidated(root) -> dict[str, torch.Tensor]:
+    return get_fp32_state_dict_from_zero_checkpoint(str(root))
+
+
+# ---- pull -------------------------------------------------------------------------------------
+
+def test_pull_from_s3_gives_a_deepspeed_root_with_the_same_weights(zero3, s3, capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "pull", zero3["url"], "--endpoint", s3.endpoint, "--dest", str(tmp_path), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["files_fetched"] == len(report["files"]) and report["files_skipped"] == 0
+    assert (tmp_path / "latest").read_text() == zero3["s3_tag"]
+    assert (tmp_path / "zero_to_fp32.py").is_file()
+    pulled, local = _consolidated(tmp_path), _consolidated(zero3["local"])
+    assert pulled.keys() == local.keys() and all(torch.equal(pulled[k], local[k]) for k in local)
+
+
+def test_pull_again_fetches_nothing(zero3, s3, capsys, tmp_path):
+    args = ("pull", zero3["url"], "--endpoint", s3.endpoint, "--dest", str(tmp_path), "--json")
+    run_cli(capsys, *args)
+    code, out, _ = run_cli(capsys, *args)
+    report = json.loads(out)
+    assert code == 0 and report["files_fetched"] == 0 and report["files_skipped"] == len(report["files"])
+
+
+def test_interrupted_pull_resumes_with_the_parts_it_has(zero3, s3, tmp_path):
+    part = 64 * 1024
+    storage = S3Storage(zero3["url"], options(s3.endpoint), part_size=part)
+    manifest = resolve(storage, None)
+    entry = max(manifest.files, key=lambda e: e.size)
+    full = s3.client().get_object(Bucket=zero3["bucket"], Key=f"run/{manifest.tag}/{entry.path}")["Body"].read()
+    partial = tmp_path / manifest.tag / f"{entry.path}.partial"
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(full[:2 * part] + b"\0" * (len(full) - 2 * part))  # as a pull stopped after two parts
+    (tmp_path / manifest.tag / f"{entry.path}.partial.parts").write_text(f"{len(full)} {part}\n0\n{part}\n")
+    report = pull(storage, manifest, str(tmp_path), show_progress=False)
+    assert (tmp_path / manifest.tag / entry.path).read_bytes() == full
+    others = sum(e.size for e in manifest.files if e.path != entry.path)
+    assert storage.stats.bytes_downloaded == others + len(full) - 2 * part
+    assert report.files_fetched == len(manifest.files)
+
+
+def test_pull_of_one_rank_fetches_only_its_files(zero3, s3, capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "pull", zero3["url"], "--endpoint", s3.endpoint, "--dest", str(tmp_path),
+                           "--rank", "1", "--json")
+    pt_files = [f for f in json.loads(out)["files"] if f.endswith(".pt")]
+    assert code == 0 and pt_files and all("zero_pp_rank_1_" in f for f in pt_files)
+
+
+def test_pull_of_a_missing_tag_or_rank_is_a_clear_error(zero3, s3, capsys, tmp_path):
+    code, _, err = run_cli(capsys, "pull", zero3["url"], "--endpoint", s3.endpoint, "--dest", str(tmp_path),
+                           "--tag", "nope")
+    assert code == 2 and "'nope' not found" in err
+    code, _, err = run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(tmp_path), "--rank", "5")
+    assert code == 2 and "rank 5 does not exist" in err
+
+
+def test_pull_of_a_corrupt_object_fails_verification_and_publishes_nothing(zero3, s3, capsys, tmp_path):
+    client = s3.client()
+    bucket = s3.make_bucket("interop-corrupt")
+    listing = client.list_objects_v2(Bucket=zero3["bucket"], Prefix="run/")["Contents"]
+    for obj in listing:
+        body = client.get_object(Bucket=zero3["bucket"], Key=obj["Key"])["Body"].read()
+        if obj["Key"].endswith("zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            body = body[:500] + bytes([body[500] ^ 0xFF]) + body[501:]
+        client.put_object(Bucket=bucket, Key=obj["Key"], Body=body)
+    code, _, err = run_cli(capsys, "pull", f"s3://{bucket}/run", "--endpoint", s3.endpoint, "--dest", str(tmp_path))
+    assert code == 2 and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in err and "crc32" in err
+    assert not (tmp_path / zero3["s3_tag"] / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+def _hf_logits(folder) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=interop_tasks.PROBE_IDS).logits.float()
+
+
+def test_export_loads_in_transformers_with_the_engines_logits(zero3, capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path / "hf"), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["shards"] == ["model-00001-of-00001.safetensors"]
+    assert torch.equal(_hf_logits(tmp_path / "hf"), zero3["logits"])
+
+
+def test_export_from_s3_in_bf16_writes_bf16_shards_an_index_and_the_tokenizer(zero3, s3, capsys, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    out_dir = tmp_path / "hf"
+    code, out, _ = run_cli(capsys, "export", zero3["url"], "--endpoint", s3.endpoint, "--out", str(out_dir),
+                           "--dtype", "bf16", "--max-shard-gb", "0.0002", "--json")
+    report = json.loads(out)
+    assert code == 0 and len(report["shards"]) > 1
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == report["shards"]
+    with safe_open(str(out_dir / report["shards"][0]), "pt") as shard:
+        assert all(shard.get_tensor(k).dtype == torch.bfloat16 for k in shard.keys())
+    assert AutoTokenizer.from_pretrained(str(out_dir))("checkpoint")["input_ids"]
+    torch.testing.assert_close(_hf_logits(out_dir), zero3["logits"], atol=0.1, rtol=0.05)
+
+
+def test_export_into_a_non_empty_folder_is_refused(zero3, capsys, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path))
+    assert code == 2 and "not empty" in err and (tmp_path / "keep.txt").read_text() == "mine"
+
+
+# ---- universal --------------------------------------------------------------------------------
+
+def test_to_universal_commits_a_manifest_and_latest_universal(converted, s3):
+    client = s3.client()
+    latest = client.get_object(Bucket=converted["bucket"], Key="universal/latest_universal")["Body"].read().decode()
+    manifest = json.loads(client.get_object(Bucket=converted["bucket"],
+                                            Key=f"universal/{latest}/async_ckpt_manifest.json")["Body"].read())
+    assert latest == f"{converted['s3_tag']}_universal" and manifest["universal"]
+    assert any(f["path"].startswith("zero/") for f in manifest["files"])
+
+
+def test_universal_resume_on_one_rank_matches_the_stock_conversion(converted, one_rank, s3):
+    ours = one_rank.run(interop_tasks.resume_universal, converted["stage"], converted["out_url"],
+                        options(s3.endpoint), True)[0]
+    stock = one_rank.run(interop_tasks.resume_universal, converted["stage"], str(converted["stock_universal"]),
+                         None, False)[0]
+    assert ours["world_size"] == 1 and ours["step"] == stock["step"]
+    assert ours["state"].keys() == stock["state"].keys()
+    mismatched = [name for name in ours["state"]
+                  if not all(torch.equal(a, b) for a, b in zip(ours["state"][name], stock["state"][name]))]
+    assert mismatched == []
+    assert ours["losses"] == stock["losses"]
+
+
+def test_universal_weights_equal_the_saved_weights(converted, one_rank, s3):
+    ours = one_rank.run(interop_tasks.resume_universal, converted["stage"], converted["out_url"],
+                        options(s3.endpoint), True)[0]
+    saved = _consolidated(converted["local"])
+    assert all(torch.equal(ours["state"][name][0], saved[name]) for name in ours["state"])
+
+
+def test_loading_a_universal_tag_without_load_universal_is_refused(converted, ranks, s3):
+    import rank_tasks
+
+    out = ranks.run(rank_tasks.load_outcome, converted["stage"], converted["out_url"], options(s3.endpoint),
+                    f"{converted['s3_tag']}_universal")
+    kind, message = out[0]
+    assert kind == "UsageError" and "load_universal" in message
