@@ -154,8 +154,10 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _root_args(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
+def _root_args(parser: argparse.ArgumentParser, json_flag: bool = True, tag_verb: str | None = None) -> None:
     parser.add_argument("url", help="checkpoint root: local path or fsspec URL (s3://bucket/run1)")
+    if tag_verb:
+        parser.add_argument("--tag", default=None, help=f"tag to {tag_verb} (default: the newest committed)")
     parser.add_argument("--endpoint", help="S3 endpoint URL (S3-compatible stores, moto, MinIO)")
     parser.add_argument("--storage-options", help="fsspec storage options as JSON")
     if json_flag:
@@ -175,8 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     _root_args(ls)
     ls.set_defaults(func=_ls)
     verify = sub.add_parser("verify", help="check every file's size and CRC-32 against the manifest")
-    _root_args(verify)
-    verify.add_argument("--tag", default=None, help="tag to verify (default: the newest committed)")
+    _root_args(verify, tag_verb="verify")
     verify.set_defaults(func=_verify)
     gc = sub.add_parser("gc", help="remove incomplete tags, partial files and orphaned multipart uploads")
     _root_args(gc)
@@ -185,8 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.set_defaults(func=_gc)
     pull = sub.add_parser("pull", help="download a committed tag into a local DeepSpeed checkpoint folder "
                                        "(parallel, resumable, verified)")
-    _root_args(pull)
-    pull.add_argument("--tag", default=None, help="tag to pull (default: the newest committed)")
+    _root_args(pull, tag_verb="pull")
     pull.add_argument("--dest", required=True, help="local folder; becomes a checkpoint root with 'latest'")
     pull.add_argument("--rank", type=int, default=None, help="only the files this data-parallel rank loads")
     pull.add_argument("--concurrency", type=int, default=8, help="files fetched at once (default 8)")
@@ -194,8 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.set_defaults(func=_pull)
     export = sub.add_parser("export", help="consolidate a tag (DeepSpeed's zero_to_fp32) into a Hugging Face "
                                            "model folder: weight shards + index, tokenizer, config")
-    _root_args(export)
-    export.add_argument("--tag", default=None, help="tag to export (default: the newest committed)")
+    _root_args(export, tag_verb="export")
     export.add_argument("--out", required=True, help="new or empty local folder")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
     export.add_argument("--safetensors", action=argparse.BooleanOptionalAction, default=True,
@@ -204,9 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
     universal = sub.add_parser("to-universal", help="convert a tag with DeepSpeed's ds_to_universal so it loads "
                                                     "on any number of ranks (checkpoint.load_universal)")
-    _root_args(universal)
-    universal.add_argument("--tag", default=None, help="tag to convert (default: the newest committed)")
-    universal.add_argument("--out", required=True, help="destination root (local path or fsspec URL; may be URL)")
+    _root_args(universal, tag_verb="convert")
+    universal.add_argument("--out", required=True, help="destination root (local path or fsspec URL; may equal URL)")
     universal.add_argument("--out-tag", default=None, help="name of the converted tag (default: <tag>_universal)")
     universal.add_argument("--out-storage-options", default=None,
                            help="fsspec options for --out as JSON (default: the source's options)")

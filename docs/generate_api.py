@@ -61,6 +61,12 @@ def render() -> str:
     for name, fn in (("async_ckpt.resume.resolve", resolve), ("async_ckpt.pull.pull", pull),
                      ("async_ckpt.export.export_hf", export_hf), ("async_ckpt.universal.to_universal", to_universal)):
         lines += _function(name, fn)
+    from async_ckpt import hf_trainer
+
+    lines += ["## Under Hugging Face Trainer (`async_ckpt.hf_trainer`)", ""]
+    lines += _function("async_ckpt.hf_trainer.enable", hf_trainer.enable)
+    lines += _class(hf_trainer.AsyncCheckpointCallback, ["close"])
+    lines += _function("async_ckpt.hf_trainer.last_committed_checkpoint", hf_trainer.last_committed_checkpoint)
     lines += ["## Errors", "", "Every error derives from `AsyncCkptError` and says what to do.", ""]
     for name in sorted(n for n in dir(errors) if n.endswith("Error")):
         cls = getattr(errors, name)

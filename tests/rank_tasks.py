@@ -236,21 +236,32 @@ def recovery_after_crashes(root: str) -> dict:
                 fh.truncate(1000)
         dist.barrier()
         out["truncated_shard"] = _outcome(lambda: ckpt.load(tag="older"))
+        workload.train(engine, 1, tokens, _rank())
+        ckpt.save(tag="third").result(timeout=60)
+        if _rank() == 0:
+            os.remove(f"{root}/third/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        dist.barrier()
+        out["missing_shard"] = _outcome(lambda: ckpt.load(tag="third"))
     return out
 
 
-def load_manifest_from_other_world_size(root: str) -> dict:
+def load_manifest_from_other_layout(root: str, field: str, value: int) -> dict:
+    """A committed tag whose manifest says another world size or ZeRO stage (as if saved by another job)."""
     engine = workload.make_engine(2, "fp32")
     workload.train(engine, 1, _tokens(), _rank())
     with async_ckpt.wrap(engine, root) as ckpt:
         ckpt.save(tag="t").result(timeout=60)
+        dist.barrier()  # every rank has seen the commit before the manifest changes under it
         if _rank() == 0:
             import json
 
             path = f"{root}/t/async_ckpt_manifest.json"
-            data = json.load(open(path))
-            data["world_size"] = 4
-            json.dump(data, open(path, "w"))
+            with open(path) as fh:
+                data = json.load(fh)
+            data[field] = value
+            with open(f"{path}.edit", "w") as fh:
+                json.dump(data, fh)
+            os.replace(f"{path}.edit", path)
         dist.barrier()
         return {"load": _outcome(lambda: ckpt.load())}
 

@@ -34,9 +34,22 @@ def test_truncated_shard_is_refused_naming_expected_and_actual_size(recovered):
         assert kind == "VerificationError" and "size 1000 != expected" in message
 
 
+def test_missing_shard_is_refused_naming_the_file(recovered):
+    for rank in recovered:
+        kind, message = rank["missing_shard"]
+        assert kind == "VerificationError" and "zero_pp_rank_1_mp_rank_00_optim_states.pt: missing" in message
+
+
 def test_manifest_from_another_world_size_is_refused(ranks, tmp_path):
-    kind, message = ranks.run(rank_tasks.load_manifest_from_other_world_size, str(tmp_path / "ckpt"))[0]["load"]
-    assert kind == "UsageError" and "4 rank(s)" in message and "ds_to_universal" in message
+    out = ranks.run(rank_tasks.load_manifest_from_other_layout, str(tmp_path / "ckpt"), "world_size", 4)
+    kind, message = out[0]["load"]
+    assert kind == "UsageError" and "4 rank(s)" in message and "to-universal" in message
+
+
+def test_manifest_from_another_zero_stage_is_refused(ranks, tmp_path):
+    out = ranks.run(rank_tasks.load_manifest_from_other_layout, str(tmp_path / "ckpt"), "zero_stage", 1)
+    kind, message = out[0]["load"]
+    assert kind == "UsageError" and "ZeRO-1" in message and "ZeRO-2" in message
 
 
 def test_keep_last_deletes_older_committed_tags_after_newer_commits(ranks, tmp_path):

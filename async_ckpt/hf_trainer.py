@@ -1,0 +1,215 @@
+"""async_ckpt under Hugging Face ``transformers.Trainer`` with a DeepSpeed config.
+
+``async_ckpt.hf_trainer.enable(trainer)`` makes Trainer's own checkpoint saves non-blocking. Trainer
+keeps deciding when to save, what goes in ``output_dir/checkpoint-N`` and which folders to rotate
+away; only the DeepSpeed part of each save (model, optimizer and ZeRO shards, written by
+``engine.save_checkpoint``) is snapshotted and written in the background, then committed into that
+``checkpoint-N`` folder (``global_stepN/async_ckpt_manifest.json``, then ``latest``), as
+``async_ckpt.wrap`` does for any ``save_dir``. Trainer's small files (``trainer_state.json``, RNG
+states, config, tokenizer, ``scheduler.pt`` when the LR scheduler is not DeepSpeed's) are still
+written by Trainer, during the save.
+
+**Finding the engine.** Trainer creates the ``DeepSpeedEngine`` inside ``train()`` (Accelerate's
+``prepare``), after ``enable`` ran and after a resume checkpoint was loaded, right before it fires
+``on_train_begin``; it saves with ``trainer.model_wrapped.save_checkpoint(...)``. So the callback
+wraps exactly ``trainer.model_wrapped`` at ``on_train_begin``: the object whose ``save_checkpoint``
+Trainer calls (``trainer.deepspeed`` is the same object, kept by transformers only for backward
+compatibility). Callback arguments cannot provide it (their ``model`` is the unwrapped module,
+their ``optimizer`` Accelerate's wrapper), hence the reference to the trainer. Each ``train()``
+call's engine is wrapped at its ``on_train_begin`` and given back at its ``on_train_end``.
+
+**Rotation and best-model loading.** Trainer deletes old ``checkpoint-N`` folders
+(``save_total_limit``, ordered by mtime, keeping the newest and the best) right after each save,
+and after the last save may load the best checkpoint or delete all but it. async_ckpt already
+makes a save wait until the previous one is written; the callback also waits, before Trainer
+starts a new save, until every earlier save is *committed*, and at the last save until that one
+is. So Trainer never deletes or loads a checkpoint still being written or committed, and the
+folder it just saved is also the newest by mtime. The cost is the previous save's commit time
+(markers and a manifest), paid only when saves come faster than storage absorbs them.
+``save_total_limit=1`` is refused: Trainer would delete the last committed checkpoint as soon as
+the next save is snapshotted, and a crash before that one commits would leave nothing to resume.
+
+**ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save``.** Trainer's ``save_model`` then
+calls ``save_checkpoint`` into the checkpoint folder, and ``_save_optimizer_and_scheduler`` calls it
+again for the same folder and step. Stock DeepSpeed writes everything twice; async_ckpt would
+write it twice too, or refuse the second save if the first had committed in between. The
+callback saves it once and answers the repeated call (same folder, tag and step) as done.
+
+**Resume.** ``trainer.train(resume_from_checkpoint=path)`` loads with DeepSpeed's stock
+``load_checkpoint``, which reads ``checkpoint-N/latest``: the commit writes it last, so a folder
+loads exactly when its save committed. ``resume_from_checkpoint=True`` takes the highest-numbered
+folder, which after a crash can be one whose save never committed; :func:`last_committed_checkpoint`
+names the newest committed one instead. A run that starts below committed checkpoints of later
+steps in ``output_dir`` is refused at ``on_train_begin``: async_ckpt never overwrites a committed
+checkpoint, and would otherwise fail only when it reached that step.
+
+Importing this module imports transformers (in the ``example`` and ``test`` extras), which the
+rest of async_ckpt does not need.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Callable, Mapping
+
+import deepspeed
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
+
+from async_ckpt.checkpointer import AsyncCheckpointer, wrap
+from async_ckpt.errors import UsageError
+from async_ckpt.layout import LATEST, MANIFEST
+
+logger = logging.getLogger("async_ckpt")
+
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class AsyncCheckpointCallback(TrainerCallback):
+    """Routes a Trainer's DeepSpeed checkpoint saves through async_ckpt. Create it with :func:`enable`.
+
+    ``checkpointer`` is the :class:`~async_ckpt.AsyncCheckpointer` of the running ``train()`` call
+    (``None`` outside of it): ``checkpointer.failures`` lists failed background saves.
+    """
+
+    def __init__(self, trainer: Trainer, **options: Any) -> None:
+        for name in ("keep_last", "keep_every"):
+            if options.get(name) is not None:
+                raise UsageError(f"{name} does not apply under Trainer: every checkpoint-N folder holds one tag. "
+                                 "Use TrainingArguments(save_total_limit=...) to keep the newest checkpoints")
+        args = trainer.args
+        if args.push_to_hub and args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            raise UsageError(f"hub_strategy={HubStrategy(args.hub_strategy).value!r} uploads each checkpoint folder "
+                             "right after the save returns, before async_ckpt has written it: use "
+                             "hub_strategy='every_save' or 'end'")
+        if args.save_total_limit == 1:
+            raise UsageError("save_total_limit=1 lets Trainer delete the last committed checkpoint as soon as the next "
+                             "save is snapshotted, while that one is still being written: a crash then leaves nothing "
+                             "to resume from. Use save_total_limit=2 or more (or None)")
+        if not trainer.is_deepspeed_enabled:
+            raise UsageError("this Trainer does not train with DeepSpeed: pass TrainingArguments(deepspeed=ds_config) "
+                             "(a dict or a JSON path), and do not set use_cpu=True, which turns DeepSpeed off")
+        self._trainer = trainer
+        self._options = options
+        self.checkpointer: AsyncCheckpointer | None = None
+        self._async_save: Callable[..., bool] | None = None  # the engine's save_checkpoint as wrap() left it
+        self._last_saved: tuple[str, str, int] | None = None
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        engine = self._trainer.model_wrapped
+        if not isinstance(engine, deepspeed.DeepSpeedEngine):
+            raise UsageError(f"trainer.model_wrapped is a {type(engine).__name__}, not a DeepSpeedEngine; "
+                             "async_ckpt needs Trainer to train with a DeepSpeed config (TrainingArguments(deepspeed=...))")
+        later = [folder for step, folder in _checkpoint_folders(args.output_dir)
+                 if step > state.global_step and _committed_tag(folder)]
+        if later:  # fail now rather than at that step, hours into the run
+            raise UsageError(f"{args.output_dir} already holds committed checkpoints of later steps than this run "
+                             f"starts from ({', '.join(os.path.basename(f) for f in later)}), and async_ckpt never "
+                             "overwrites a committed checkpoint: resume from the newest one, or move them away")
+        self.close()  # a previous train() that raised left its checkpointer open
+        self.checkpointer = wrap(engine, args.output_dir, **self._options)
+        self._async_save = engine.save_checkpoint
+        engine.save_checkpoint = self._save_checkpoint
+        self._last_saved = None
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._before_trainer_saves(args, control)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self._before_trainer_saves(args, control)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if control.should_training_stop and self.checkpointer is not None:
+            # Trainer's end of training may load the best checkpoint or delete all others right away.
+            self.checkpointer.wait()
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait until every save is committed, stop the writer and give the engine its own ``save_checkpoint``.
+
+        ``on_train_end`` calls it. Call it yourself when ``train()`` raised and the process goes on:
+        saves still in flight then finish.
+        """
+        checkpointer, self.checkpointer = self.checkpointer, None
+        if checkpointer is None:
+            return
+        if checkpointer.engine.__dict__.get("save_checkpoint") == self._save_checkpoint:
+            del checkpointer.engine.save_checkpoint
+        checkpointer.close()
+
+    def _before_trainer_saves(self, args: TrainingArguments, control: TrainerControl) -> None:
+        """Commit every earlier save before Trainer saves again (and then rotates checkpoint folders)."""
+        saves_next = control.should_save or (control.should_evaluate and args.save_strategy == SaveStrategy.BEST)
+        if saves_next and self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def _save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None,
+                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """``engine.save_checkpoint`` while training: async_ckpt's non-blocking save, once per checkpoint.
+
+        The signature is DeepSpeed's: Trainer inspects it for ``exclude_frozen_parameters``.
+        """
+        assert self.checkpointer is not None and self._async_save is not None  # installed together at train begin
+        step = int(self.checkpointer.engine.global_steps)
+        key = (os.path.abspath(os.fspath(save_dir)), f"global_step{step}" if tag is None else str(tag), step)
+        if key == self._last_saved:
+            logger.debug("%s/%s is already being saved at this step; not saving it twice", key[0], key[1])
+            return True
+        self._async_save(save_dir, tag, client_state, save_latest=save_latest,
+                         exclude_frozen_parameters=exclude_frozen_parameters)
+        self._last_saved = key
+        return True
+
+
+def enable(trainer: Trainer, **options: Any) -> AsyncCheckpointCallback:
+    """Make ``trainer``'s DeepSpeed checkpoint saves non-blocking; returns the callback it added.
+
+    Call it after creating the Trainer and before ``train()``. ``options`` are those of
+    :func:`async_ckpt.wrap` (``on_error``, ``overlap_copy``, ``writer_nice``, ``on_save_done``...),
+    except ``keep_last``/``keep_every``: Trainer's ``save_total_limit`` rotates checkpoints.
+    """
+    callback = AsyncCheckpointCallback(trainer, **options)
+    trainer.add_callback(callback)
+    return callback
+
+
+def last_committed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The newest ``checkpoint-N`` folder of ``output_dir`` that is complete, or ``None``.
+
+    Complete means Trainer wrote its ``trainer_state.json`` and the DeepSpeed save committed
+    (``latest`` names a tag whose manifest exists). Pass it to
+    ``trainer.train(resume_from_checkpoint=...)`` instead of ``True``, which takes the
+    highest-numbered folder even when a crash cut its save short; ``None`` starts from scratch.
+    """
+    for _, folder in reversed(_checkpoint_folders(output_dir)):
+        if _committed_tag(folder) and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+            return folder
+    return None
+
+
+def _checkpoint_folders(output_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``checkpoint-N`` folder, by step."""
+    root = os.fspath(output_dir)
+    if not os.path.isdir(root):
+        return []
+    return sorted((int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+                  if (m := _CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(root, name)))
+
+
+def _committed_tag(folder: str) -> str | None:
+    """The tag ``folder/latest`` names if that tag is committed (its manifest exists)."""
+    try:
+        with open(os.path.join(folder, LATEST)) as fh:
+            tag = fh.read().strip()
+    except OSError:
+        return None
+    return tag if tag and os.path.isfile(os.path.join(folder, tag, MANIFEST)) else None

@@ -1,0 +1,171 @@
+"""async_ckpt under Hugging Face Trainer with a DeepSpeed config, on 2 real ranks (gloo, CPU).
+
+Per ZeRO stage, three Trainer runs of the same 6 steps: one with async saves every 2 steps,
+stopped after the save at step 4 (as a preempted job ends); a fresh Trainer resuming from that
+checkpoint, finishing, and loading its best checkpoint at the end; and a stock run without
+async_ckpt and without saves as the reference. Both async runs hold each commit for 1 s, so that
+every wait the callback must do is a real one.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+import hf_tasks
+from async_ckpt import UsageError
+from async_ckpt.cli import main as cli_main
+from async_ckpt.hf_trainer import enable, last_committed_checkpoint
+
+STAGES = [2, 3]
+
+
+@pytest.fixture(scope="module", params=STAGES, ids=[f"zero{s}" for s in STAGES])
+def runs(request, ranks, tmp_path_factory):
+    stage = request.param
+    root = tmp_path_factory.mktemp(f"hf-zero{stage}")
+    out = str(root / "run")
+    return {
+        "stage": stage,
+        "out": out,
+        "interrupted": ranks.run(hf_tasks.train_interrupted, out, stage),
+        "resumed": ranks.run(hf_tasks.train_resumed, out, stage),
+        "stock": ranks.run(hf_tasks.train_uninterrupted_stock, str(root / "stock"), stage),
+    }
+
+
+def test_trainer_save_returns_before_the_commit(runs):
+    first = runs["interrupted"][0]["seen"][hf_tasks.SAVE_STEPS]
+    assert first["trainer_state_after_save"]  # Trainer's own files are written in the save itself
+    assert not first["latest_after_save"]  # the DeepSpeed part still commits in the background
+    assert first["save_s"] < hf_tasks.COMMIT_DELAY_S
+
+
+def test_each_checkpoint_is_saved_once_through_async_ckpt(runs):
+    # under ZeRO-3 without 16-bit gathering, Trainer calls save_checkpoint twice per checkpoint
+    expected = [(os.path.join(runs["out"], f"checkpoint-{step}"), f"global_step{step}", True)
+                for step in range(hf_tasks.SAVE_STEPS, hf_tasks.STOP_AT + 1, hf_tasks.SAVE_STEPS)]
+    assert [r["saves"] for r in runs["interrupted"]] == [expected, expected]
+
+
+def test_earlier_checkpoints_are_committed_before_trainer_saves_and_rotates(runs):
+    rank0 = runs["interrupted"][0]
+    assert rank0["seen"][hf_tasks.STOP_AT]["earlier"] == {f"checkpoint-{hf_tasks.SAVE_STEPS}": True}
+    kept = sorted(glob.glob(os.path.join(runs["out"], "checkpoint-*")))  # save_total_limit=2 after the resumed run
+    assert [os.path.basename(p) for p in kept] == [f"checkpoint-{hf_tasks.STOP_AT}", f"checkpoint-{hf_tasks.MAX_STEPS}"]
+    assert all(os.path.isfile(os.path.join(p, "latest")) for p in kept)
+
+
+def test_train_end_closes_the_checkpointer_and_gives_the_engine_back(runs):
+    for rank in runs["interrupted"]:
+        assert rank["closed"] and rank["engine_restored"]
+
+
+def test_trainer_files_land_next_to_the_deepspeed_checkpoint(runs):
+    folder = os.path.join(runs["out"], f"checkpoint-{hf_tasks.MAX_STEPS}")
+    names = set(os.listdir(folder))
+    trainer_files = {"trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "training_args.bin", "config.json",
+                     "tokenizer.json"} | ({"model.safetensors"} if runs["stage"] < 3 else set())
+    assert trainer_files <= names
+    with open(os.path.join(folder, "trainer_state.json")) as fh:
+        assert json.load(fh)["global_step"] == hf_tasks.MAX_STEPS
+    tag_dir = os.path.join(folder, f"global_step{hf_tasks.MAX_STEPS}")
+    assert len(glob.glob(os.path.join(tag_dir, "*_optim_states.pt"))) == 2
+    assert not glob.glob(os.path.join(folder, "**", "*.partial"), recursive=True)
+    assert not os.path.exists(os.path.join(tag_dir, ".async_ckpt"))
+
+
+def test_latest_names_the_committed_tag_and_every_file_verifies(runs, capsys):
+    folder = os.path.join(runs["out"], f"checkpoint-{hf_tasks.MAX_STEPS}")
+    tag = f"global_step{hf_tasks.MAX_STEPS}"
+    with open(os.path.join(folder, "latest")) as fh:
+        assert fh.read() == tag
+    with open(os.path.join(folder, tag, "async_ckpt_manifest.json")) as fh:
+        manifest = json.load(fh)
+    assert (manifest["step"], manifest["world_size"], manifest["zero_stage"]) == (hf_tasks.MAX_STEPS, 2, runs["stage"])
+    assert manifest["timings"]["stall_s"] > 0
+    assert cli_main(["verify", folder, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+
+
+def test_async_saves_leave_training_unchanged(runs):
+    stock = runs["stock"][0]["losses"]
+    assert runs["interrupted"][0]["losses"] == {step: stock[step] for step in range(1, hf_tasks.STOP_AT + 1)}
+
+
+def test_resume_continues_bitwise_like_the_uninterrupted_run(runs):
+    stock = runs["stock"][0]["losses"]
+    for rank in runs["resumed"]:
+        assert rank["resumed_from"] == os.path.join(runs["out"], f"checkpoint-{hf_tasks.STOP_AT}")
+        resumed = {step: loss for step, loss in rank["losses"].items() if step > hf_tasks.STOP_AT}
+        assert resumed == {step: stock[step] for step in range(hf_tasks.STOP_AT + 1, hf_tasks.MAX_STEPS + 1)}
+
+
+def test_best_checkpoint_is_loaded_at_train_end_once_committed(runs):
+    # the resumed run's last save is its best: Trainer loads it right after saving it (commits are held 1 s)
+    for rank in runs["resumed"]:
+        assert rank["best"] == os.path.join(runs["out"], f"checkpoint-{hf_tasks.MAX_STEPS}")
+
+
+def test_a_new_run_refuses_to_start_below_committed_checkpoints(runs, ranks):
+    errors = ranks.run(hf_tasks.start_over, runs["out"], runs["stage"])
+    assert all(e is not None and f"checkpoint-{hf_tasks.MAX_STEPS}" in e for e in errors)
+
+
+def test_last_committed_checkpoint_skips_folders_a_crash_left_incomplete(tmp_path):
+    def folder(step, *, latest=True, manifest=True, trainer_state=True):
+        path = tmp_path / f"checkpoint-{step}"
+        (path / f"global_step{step}").mkdir(parents=True)
+        if latest:
+            (path / "latest").write_text(f"global_step{step}")
+        if manifest:
+            (path / f"global_step{step}" / "async_ckpt_manifest.json").write_text("{}")
+        if trainer_state:
+            (path / "trainer_state.json").write_text("{}")
+
+    folder(2)
+    folder(4)
+    folder(6, latest=False, manifest=False)  # killed while writing
+    folder(8, manifest=False)  # `latest` names a tag that never committed
+    folder(10, trainer_state=False)  # killed between the commit and Trainer's state file
+    (tmp_path / "checkpoint-12").write_text("not a folder")
+    assert last_committed_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+    assert last_committed_checkpoint(tmp_path / "missing") is None
+
+
+@pytest.fixture(scope="module")
+def cpu_trainer(tmp_path_factory):
+    """A Trainer without DeepSpeed, in this process."""
+    from transformers import Trainer, TrainingArguments
+
+    from async_ckpt import workload
+
+    args = TrainingArguments(output_dir=str(tmp_path_factory.mktemp("cpu")), use_cpu=True, report_to="none")
+    return Trainer(model=workload.build_model("tiny"), args=args)
+
+
+def test_enable_refuses_a_trainer_without_deepspeed(cpu_trainer):
+    with pytest.raises(UsageError, match="deepspeed"):
+        enable(cpu_trainer)
+
+
+@pytest.mark.parametrize("option", ["keep_last", "keep_every"])
+def test_enable_points_retention_options_to_save_total_limit(cpu_trainer, option):
+    with pytest.raises(UsageError, match="save_total_limit"):
+        enable(cpu_trainer, **{option: 2})
+
+
+def test_enable_refuses_a_save_total_limit_of_one(cpu_trainer, monkeypatch):
+    monkeypatch.setattr(cpu_trainer.args, "save_total_limit", 1)
+    with pytest.raises(UsageError, match="save_total_limit=2 or more"):
+        enable(cpu_trainer)
+
+
+def test_enable_refuses_hub_uploads_of_unwritten_checkpoint_folders(cpu_trainer, monkeypatch):
+    monkeypatch.setattr(cpu_trainer.args, "push_to_hub", True)
+    monkeypatch.setattr(cpu_trainer.args, "hub_strategy", "checkpoint")
+    with pytest.raises(UsageError, match="hub_strategy='every_save'"):
+        enable(cpu_trainer)
