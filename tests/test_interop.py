@@ -93,6 +93,14 @@ def test_pull_from_s3_gives_a_deepspeed_root_with_the_same_weights(zero3, s3, ca
     assert pulled.keys() == local.keys() and all(torch.equal(pulled[k], local[k]) for k in local)
 
 
+def test_pull_from_a_local_root_copies_and_verifies_every_file(zero3, capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(tmp_path), "--json", "--quiet")
+    report = json.loads(out)
+    assert code == 0 and report["files_fetched"] == len(report["files"])
+    for name in report["files"]:
+        assert (tmp_path / zero3["tag"] / name).read_bytes() == (zero3["local"] / zero3["tag"] / name).read_bytes()
+
+
 def test_pull_again_fetches_nothing(zero3, s3, capsys, tmp_path):
     args = ("pull", zero3["url"], "--endpoint", s3.endpoint, "--dest", str(tmp_path), "--json")
     run_cli(capsys, *args)
@@ -181,6 +189,11 @@ def test_export_from_s3_in_bf16_writes_bf16_shards_an_index_and_the_tokenizer(ze
     torch.testing.assert_close(_hf_logits(out_dir), zero3["logits"], atol=0.1, rtol=0.05)
 
 
+def test_export_of_a_missing_tag_is_a_clear_error(zero3, capsys, tmp_path):
+    code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--tag", "nope", "--out", str(tmp_path / "hf"))
+    assert code == 2 and "'nope' not found" in err and not (tmp_path / "hf").exists()
+
+
 def test_export_into_a_non_empty_folder_is_refused(zero3, capsys, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path))
@@ -225,3 +238,22 @@ def test_loading_a_universal_tag_without_load_universal_is_refused(converted, ra
                     f"{converted['s3_tag']}_universal")
     kind, message = out[0]
     assert kind == "UsageError" and "load_universal" in message
+
+
+def test_to_universal_works_local_to_local(zero3, capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "to-universal", str(zero3["local"]), "--out", str(tmp_path), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["tag"] == f"{zero3['tag']}_universal"
+    assert (tmp_path / "latest_universal").read_text() == report["tag"]
+    code, out, _ = run_cli(capsys, "verify", str(tmp_path), "--tag", report["tag"], "--json")
+    assert code == 0 and json.loads(out)["ok"]
+
+
+def test_to_universal_refuses_a_universal_tag_and_an_existing_output(converted, s3, capsys):
+    universal_tag = f"{converted['s3_tag']}_universal"
+    code, _, err = run_cli(capsys, "to-universal", converted["out_url"], "--endpoint", s3.endpoint, "--tag", universal_tag,
+                           "--out", converted["out_url"], "--out-tag", "again")
+    assert code == 2 and "already a universal checkpoint" in err
+    code, _, err = run_cli(capsys, "to-universal", converted["url"], "--endpoint", s3.endpoint, "--tag",
+                           converted["s3_tag"], "--out", converted["out_url"])
+    assert code == 2 and "already exists" in err
