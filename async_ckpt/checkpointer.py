@@ -27,8 +27,8 @@ import torch.distributed as dist
 from async_ckpt import __version__ as _version
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine
-from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, SaveFailedError, TagExistsError,
-                               UsageError, VerificationError)
+from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, SaveFailedError, StorageError,
+                               TagExistsError, UsageError, VerificationError)
 from async_ckpt.handle import SaveHandle
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import manifest_path, validate_tag
@@ -87,7 +87,7 @@ class AsyncCheckpointer:
         self.last_fetch: PullReport | None = None
         self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
                                         nice=config.writer_nice, exact_bytes=config.exact_bytes,
-                                        on_done=config.on_save_done)
+                                        cache_dir=config.cache_dir, on_done=config.on_save_done)
         self._previous_engine = engine.checkpoint_engine
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint
@@ -136,7 +136,7 @@ class AsyncCheckpointer:
         self._check_compatible(manifest)
         dp_rank = self._dp_rank()
         while True:
-            problem, load_dir = None, None
+            problem, error, load_dir = None, None, None
             try:
                 if self.config.verify_on_load and self.storage.local_dir() is not None:
                     check_for_rank(self.storage, manifest, dp_rank)
@@ -144,7 +144,16 @@ class AsyncCheckpointer:
                                                            self.config.max_concurrency)
             except VerificationError as exc:
                 problem = str(exc)
-            problems = self._gather(problem)
+            except Exception as exc:  # every rank must hear of it, or the others wait in the gather below
+                error = exc
+            reports = self._gather((problem, f"{type(error).__name__}: {error}" if error else None))
+            failed = [(rank, text) for rank, (_, text) in enumerate(reports) if text]
+            if failed:
+                if error is not None:
+                    raise error
+                raise StorageError(f"rank {failed[0][0]} could not fetch tag {manifest.tag!r} from {self.storage.url}: "
+                                   f"{failed[0][1]}")
+            problems = [p for p, _ in reports]
             if not any(problems):
                 break
             first = next(p for p in problems if p)

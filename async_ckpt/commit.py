@@ -29,7 +29,7 @@ from async_ckpt.errors import SaveFailedError
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import LATEST, RECOVERY_SCRIPTS, manifest_path, marker_prefix, rank_marker
 from async_ckpt.manifest import FileEntry, Manifest, decode_entries, encode_entries
-from async_ckpt.serialization import write_bytes_file
+from async_ckpt.serialization import copy_local_file
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
@@ -111,8 +111,7 @@ def _commit(job: SaveJob, entries: list[FileEntry]) -> Manifest:
             for name in sorted(names):
                 local = os.path.join(root, name)
                 rel = os.path.relpath(local, job.extras_dir).replace(os.sep, "/")
-                with open(local, "rb") as fh:
-                    entries.append(write_bytes_file(storage, f"{job.tag}/{rel}", fh.read(), tag_dir=job.tag, rank=0))
+                entries.append(copy_local_file(storage, f"{job.tag}/{rel}", local, tag_dir=job.tag, rank=0))
         shutil.rmtree(job.extras_dir, ignore_errors=True)
     scripts_dir = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
     for script in RECOVERY_SCRIPTS:
@@ -170,7 +169,7 @@ def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: 
     Runs only after a newer commit succeeded. Never deletes the tag just committed, the one
     ``latest`` names, or (with ``keep_every``) a tag whose step is a multiple of ``keep_every``.
     """
-    committed = [t for t in list_tags(storage) if t.committed]
+    committed = [t for t in list_tags(storage) if t.committed and not t.manifest.universal]  # conversions are kept
     protected = {current, read_latest(storage)}
     deleted = []
     for info in committed[:-keep_last] if len(committed) > keep_last else []:

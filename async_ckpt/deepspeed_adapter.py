@@ -15,9 +15,10 @@ Two DeepSpeed behaviours are used deliberately:
   rank's data is durable.
 * ``preserves_storage_sharing()`` is true, as for DeepSpeed's own Torch engine: the snapshot keeps
   views that share a storage sharing one staged storage (that is what makes the files byte-identical).
-  DeepSpeed only consults the flag when saving MoE checkpoints, where it then clones expert and
-  optimizer states so that each file holds just its own tensors; without the clone every expert
-  file would carry whole flat buffers. That clone is DeepSpeed's, synchronous, and counts in the stall.
+  DeepSpeed consults the flag for MoE saves and for pipeline-parallel (``PipelineModule``) layer
+  saves, where it then clones the state first so that each file holds just its own tensors;
+  without the clone such files would carry whole flat buffers. That clone is DeepSpeed's,
+  synchronous, and counts in the stall. Plain ZeRO saves hand their state over uncloned.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 DeepSpeed's ``load_checkpoint``, ``zero_to_fp32.py`` and ``ds_to_universal.py`` only read local
 folders, so every path from object storage back into DeepSpeed goes through here: resume fetches
 the files one rank reads into its cache, ``async-ckpt pull`` fetches a whole tag (or one rank's
-share) into a folder laid out like a stock DeepSpeed checkpoint root (``latest``, the tag folder,
-``zero_to_fp32.py``).
+share) into a folder laid out like a stock DeepSpeed checkpoint root (``latest``, or
+``latest_universal`` for a universal tag, the tag folder, ``zero_to_fp32.py``).
 
 Every file is checked against the manifest's size and CRC-32 before it takes its final name, and
 a file already present and correct is not fetched again. A pull that was interrupted picks up
@@ -13,6 +13,7 @@ where it stopped: finished files are skipped and a partly fetched file keeps the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import deepspeed
 
 from async_ckpt.errors import UsageError, VerificationError
-from async_ckpt.layout import LATEST, MANIFEST, RECOVERY_SCRIPTS, files_for_rank
+from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
 from async_ckpt.verify import check_local_file
@@ -62,7 +63,14 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
             return -1
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         tmp = f"{dest}.partial" if resumable else f"{dest}.{os.getpid()}.partial"
-        storage.get_file(f"{manifest.tag}/{entry.path}", tmp, progress=progress, resume=resumable)
+        try:
+            storage.get_file(f"{manifest.tag}/{entry.path}", tmp, progress=progress, resume=resumable)
+        except BaseException:
+            if not resumable:  # nobody will resume it
+                for leftover in (tmp, f"{tmp}.parts"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(leftover)
+            raise
         check = check_local_file(tmp, entry)
         if not check.ok:
             os.unlink(tmp)
@@ -116,7 +124,7 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
         with open(os.path.join(dest, script), "wb") as fh:
             fh.write(_recovery_script(storage, script))
         os.chmod(os.path.join(dest, script), 0o755)
-    with open(os.path.join(dest, LATEST), "w") as fh:
+    with open(os.path.join(dest, LATEST_UNIVERSAL if manifest.universal else LATEST), "w") as fh:
         fh.write(manifest.tag)
     logger.info("pulled %s from %s into %s: %d file(s), %.3f GB fetched, %d already there, %.2f s",
                 manifest.tag, storage.url, dest, report.files_fetched, report.bytes_fetched / 1e9,

@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy
 import torch
 
 from async_ckpt.errors import UsageError
@@ -148,14 +147,8 @@ class StagingPool:
 
     def _buffer_for(self, slot: tuple[str, int], nbytes: int, pin: bool) -> torch.Tensor:
         buf = self._slots.get(slot)
-        if buf is None or buf.numel() != nbytes:
-            if nbytes == 0:
-                # torch.save's file writer treats a null data pointer as "seek past the record",
-                # which a pipe cannot do (see serialization.py); an empty NumPy array has a real
-                # address, so the record is written as the same zero bytes.
-                buf = torch.from_numpy(numpy.empty(0, dtype=numpy.uint8))
-            else:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+        if buf is None or buf.numel() != nbytes or (pin and not buf.is_pinned()):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
             self._slots[slot] = buf
             self.allocations += 1
         return buf

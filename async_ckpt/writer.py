@@ -19,6 +19,7 @@ from async_ckpt import commit
 from async_ckpt.errors import SaveFailedError
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.job import SaveJob
+from async_ckpt.layout import MARKER_DIR
 from async_ckpt.manifest import FileEntry
 from async_ckpt.serialization import write_torch_file
 
@@ -36,9 +37,10 @@ def lower_thread_priority(nice: int) -> None:
 
 class BackgroundWriter:
     def __init__(self, rank: int, commit_timeout_s: float,
-                 on_failure: Callable[[SaveFailedError], None], *, nice: int = 0, exact_bytes: bool = True,
-                 on_done: Callable[[SaveHandle], None] | None = None) -> None:
+                 on_failure: Callable[[SaveFailedError], None], *, nice: int = 0, exact_bytes: bool = False,
+                 cache_dir: str, on_done: Callable[[SaveHandle], None] | None = None) -> None:
         self._rank = rank
+        self._cache_dir = cache_dir
         self._on_done = on_done
         self._exact_bytes = exact_bytes
         self._nice = nice
@@ -67,7 +69,7 @@ class BackgroundWriter:
             if self._on_done is not None:
                 try:
                     self._on_done(job.handle)
-                except Exception:
+                except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread
                     logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
 
     def _execute(self, job: SaveJob) -> None:
@@ -80,7 +82,7 @@ class BackgroundWriter:
             for staged in job.files:
                 current = staged.relpath
                 written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag, rank=job.rank,
-                                                exact_bytes=self._exact_bytes))
+                                                scratch_dir=self._scratch_dir(job)))
             job.release_buffers()
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)
@@ -100,6 +102,16 @@ class BackgroundWriter:
                         "durable after %.2f s", job.tag, job.storage.url, manifest.total_bytes / 1e9,
                         result.stall_s, result.persist_s, result.persist_gbps, metrics["durable_s"])
         job.handle._succeed(result)
+
+    def _scratch_dir(self, job: SaveJob) -> str | None:
+        """Where byte-exact serialization writes first: next to the tag on local/NFS roots (one
+        filesystem, removed with the commit markers), else the local cache folder."""
+        if not self._exact_bytes:
+            return None
+        local = job.storage.local_dir()
+        if local is not None:
+            return os.path.join(local, job.tag, MARKER_DIR, f"scratch-rank{job.rank}")
+        return os.path.join(self._cache_dir, "scratch")
 
     def _fail(self, job: SaveJob, exc: BaseException, written: list[FileEntry], current: str) -> None:
         commit.publish_failure(job, exc)

@@ -265,16 +265,16 @@ class AsyncCkptTuned(AsyncCkpt):
         super().__init__(engine, target, rank, overlap_copy=True, writer_nice=10)
 
 
-class AsyncCkptStream(AsyncCkpt):
-    """Defaults but ``exact_bytes=False``: what byte-identical files cost (one pipe copy per file)."""
+class AsyncCkptExact(AsyncCkpt):
+    """Defaults but ``exact_bytes=True``: what byte-identical files cost (a scratch write per file)."""
 
-    name = "async_ckpt_stream"
+    name = "async_ckpt_exact"
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
-        super().__init__(engine, target, rank, exact_bytes=False)
+        super().__init__(engine, target, rank, exact_bytes=True)
 
 
-METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptStream,
+METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptExact,
                                AsyncCkptOverlap, AsyncCkptTuned)}
 
 

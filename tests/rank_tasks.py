@@ -38,12 +38,13 @@ def _outcome(fn):
 
 
 def save_stock_and_async(stage: int, dtype: str, root: str) -> dict:
-    """Train, save the same step with stock DeepSpeed and with async_ckpt, keep training while it persists."""
+    """Train, save the same step with stock DeepSpeed and with async_ckpt (byte-exact files), keep training
+    while it persists."""
     tokens = _tokens()
     engine = workload.make_engine(stage, dtype)
     workload.train(engine, STEPS_BEFORE, tokens, _rank())
     type(engine).save_checkpoint(engine, f"{root}/stock", client_state=dict(CLIENT_STATE))
-    ckpt = async_ckpt.wrap(engine, f"{root}/async", tokenizer=workload.build_tokenizer())
+    ckpt = async_ckpt.wrap(engine, f"{root}/async", tokenizer=workload.build_tokenizer(), exact_bytes=True)
     handle = ckpt.save(client_state=dict(CLIENT_STATE))
     losses = workload.train(engine, STEPS_AFTER, tokens, _rank())
     result = handle.result(timeout=120)

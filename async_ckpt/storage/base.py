@@ -15,6 +15,9 @@ from typing import BinaryIO, Callable, Iterator
 from async_ckpt.errors import StorageError
 
 
+#: Bytes per read when a file is streamed through Python (copies, checksums).
+IO_CHUNK = 8 * 1024 * 1024
+
 #: Called with the number of bytes just transferred (for progress bars).
 Progress = Callable[[int], None]
 

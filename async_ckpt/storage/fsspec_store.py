@@ -15,9 +15,7 @@ from typing import BinaryIO, Iterator
 
 import fsspec
 
-from async_ckpt.storage.base import Progress, Storage
-
-_COPY_CHUNK = 8 * 1024 * 1024
+from async_ckpt.storage.base import IO_CHUNK, Progress, Storage
 
 
 class FsspecStorage(Storage):
@@ -105,7 +103,7 @@ class FsspecStorage(Storage):
                 src.seek(offset)
                 if progress:
                     progress(offset)
-            while chunk := src.read(_COPY_CHUNK):
+            while chunk := src.read(IO_CHUNK):
                 dst.write(chunk)
                 if progress:
                     progress(len(chunk))

@@ -55,12 +55,13 @@ class TransferStats:
 class PartJournal:
     """Which parts of a download are on disk: a header line, then one finished part offset per line.
 
-    A journal written for another object size or part size is ignored (the download restarts).
+    A journal written for another object (size, part size or ETag differ) is ignored: the
+    download restarts rather than mix parts of two objects.
     """
 
-    def __init__(self, path: str, size: int, part_size: int) -> None:
+    def __init__(self, path: str, size: int, part_size: int, etag: str) -> None:
         self.path = path
-        self._header = f"{size} {part_size}"
+        self._header = f"{size} {part_size} {etag}"
         self._fh: Any = None
 
     def load(self) -> set[int]:
@@ -138,13 +139,19 @@ class S3Storage(FsspecStorage):
         finished part; ``resume`` skips those and fetches only the rest.
         """
         key = self._key(relpath)
-        fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
+        try:
+            fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
+        except (StorageError, FileNotFoundError):
+            raise
+        except Exception as exc:  # botocore / aiohttp errors left after the retries
+            raise StorageError(f"cannot download s3://{self.bucket}/{key}: {type(exc).__name__}: {exc}. Check the "
+                               "endpoint, credentials and network; the download resumes where it stopped") from exc
 
     async def _download(self, key: str, local_path: str, progress: Progress | None, resume: bool) -> None:
         s3 = await self._client()
         head = await self.retry.run(f"HEAD {key}", lambda: s3.head_object(Bucket=self.bucket, Key=key))
         size = int(head["ContentLength"])
-        journal = PartJournal(f"{local_path}.parts", size, self.part_size)
+        journal = PartJournal(f"{local_path}.parts", size, self.part_size, str(head.get("ETag", "")))
         done = journal.load() if resume and os.path.exists(local_path) else set()
         if progress and done:
             progress(sum(min(self.part_size, size - start) for start in done))
@@ -171,7 +178,14 @@ class S3Storage(FsspecStorage):
                 if progress:
                     progress(len(data))
 
-            await asyncio.gather(*(fetch(start) for start in range(0, size, self.part_size) if start not in done))
+            tasks = [asyncio.ensure_future(fetch(start)) for start in range(0, size, self.part_size) if start not in done]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:  # no part may write to fd after it is closed
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
             self.stats.add(objects_downloaded=1)
         finally:
             os.close(fd)
