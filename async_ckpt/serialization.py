@@ -26,20 +26,30 @@ import torch
 from async_ckpt.manifest import FileEntry
 from async_ckpt.storage.base import IO_CHUNK, Storage
 
+
 class ChecksumWriter:
-    """Write-only stream that forwards every byte and keeps a running size and CRC-32."""
+    """Write-only stream that forwards every byte and keeps a running size and CRC-32.
+
+    The first error the sink raises is kept in ``error``: torch.save's zip writer turns a failing
+    ``write()`` into "unexpected pos N vs M", which names neither the errno nor its cause.
+    """
 
     def __init__(self, sink: BinaryIO) -> None:
         self._sink = sink
         self.size = 0
         self.crc = 0
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         written = 0
         while written < view.nbytes:  # raw file objects may write short
-            n = self._sink.write(view[written:])
+            try:
+                n = self._sink.write(view[written:])
+            except BaseException as exc:
+                self.error = self.error or exc
+                raise
             written += view.nbytes - written if n is None else n
         self.size += view.nbytes
         return view.nbytes
@@ -64,7 +74,12 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
     if scratch_dir is None:
         with storage.open_write(relpath) as stream:
             writer = ChecksumWriter(stream)
-            torch.save(obj, writer)
+            try:
+                torch.save(obj, writer)
+            except Exception:
+                if writer.error is not None:
+                    raise writer.error  # the storage's own error; torch's report is chained as its context
+                raise
             writer.flush()
         return FileEntry(path=relpath[len(tag_dir) + 1:], size=writer.size, crc32=format_crc(writer.crc), rank=rank)
     os.makedirs(scratch_dir, exist_ok=True)

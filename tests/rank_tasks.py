@@ -148,11 +148,13 @@ def bad_inputs(root: str, not_a_dir: str) -> dict:
     out["bad_on_error"] = _outcome(lambda: async_ckpt.wrap(engine, root, on_error="explode"))
     out["unknown_option"] = _outcome(lambda: async_ckpt.wrap(engine, root, overlap=True))
     ckpt = async_ckpt.wrap(engine, root)
+    dist.barrier()  # every rank's wrap probe file is gone before the listing
     before = sorted(os.listdir(root))
     for name, tag in {"empty_tag": "", "slash_tag": "a/b", "dotdot_tag": "..", "parent_tag": "../escape",
                       "backslash_tag": "a\\b", "space_tag": " x"}.items():
         out[name] = _outcome(lambda t=tag: ckpt.save(tag=t))
     out["written_after_bad_tags"] = sorted(os.listdir(root)) != before
+    dist.barrier()  # no rank starts the good save below before every rank has listed
     out["load_when_empty"] = _outcome(lambda: ckpt.load())
     ckpt.save(tag="good").result(timeout=60)
     out["resave_committed_tag"] = _outcome(lambda: ckpt.save(tag="good"))

@@ -114,11 +114,12 @@ def test_interrupted_pull_resumes_with_the_parts_it_has(zero3, s3, tmp_path):
     storage = S3Storage(zero3["url"], options(s3.endpoint), part_size=part)
     manifest = resolve(storage, None)
     entry = max(manifest.files, key=lambda e: e.size)
-    full = s3.client().get_object(Bucket=zero3["bucket"], Key=f"run/{manifest.tag}/{entry.path}")["Body"].read()
+    obj = s3.client().get_object(Bucket=zero3["bucket"], Key=f"run/{manifest.tag}/{entry.path}")
+    full, etag = obj["Body"].read(), obj["ETag"]
     partial = tmp_path / manifest.tag / f"{entry.path}.partial"
     partial.parent.mkdir(parents=True)
     partial.write_bytes(full[:2 * part] + b"\0" * (len(full) - 2 * part))  # as a pull stopped after two parts
-    (tmp_path / manifest.tag / f"{entry.path}.partial.parts").write_text(f"{len(full)} {part}\n0\n{part}\n")
+    (tmp_path / manifest.tag / f"{entry.path}.partial.parts").write_text(f"{len(full)} {part} {etag}\n0\n{part}\n")
     report = pull(storage, manifest, str(tmp_path), show_progress=False)
     assert (tmp_path / manifest.tag / entry.path).read_bytes() == full
     others = sum(e.size for e in manifest.files if e.path != entry.path)
