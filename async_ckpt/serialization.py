@@ -76,9 +76,9 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
             writer = ChecksumWriter(stream)
             try:
                 torch.save(obj, writer)
-            except Exception:
+            except Exception as torch_error:
                 if writer.error is not None:
-                    raise writer.error  # the storage's own error; torch's report is chained as its context
+                    raise writer.error from torch_error  # the storage's own error, not torch's "unexpected pos"
                 raise
             writer.flush()
         return FileEntry(path=relpath[len(tag_dir) + 1:], size=writer.size, crc32=format_crc(writer.crc), rank=rank)
