@@ -8,6 +8,7 @@ error (with the failing rank's traceback) is raised in the caller.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -15,7 +16,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 from async_ckpt.errors import AsyncCkptError
 
@@ -34,16 +35,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, env: dict[str, str], tasks: Any, results: Any) -> None:
-    os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def backend_for(accelerator: str) -> str:
+    """The process-group backend for a DeepSpeed accelerator: NCCL between GPUs, gloo on CPU."""
+    return "nccl" if accelerator == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the duration: what a process spawned meanwhile is born with."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _worker(tasks: Any, results: Any) -> None:
+    rank = int(os.environ["RANK"])
     try:
         import deepspeed
 
         timeout = datetime.timedelta(seconds=float(os.environ.get("ASYNC_CKPT_PG_TIMEOUT_S", "300")))
-        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend_for(os.environ["DS_ACCELERATOR"]), timeout=timeout)
         results.put((rank, True, None))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -64,7 +82,11 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], tasks: A
 
 
 class RankGroup:
-    """``world_size`` local processes joined in one gloo process group, reused across calls."""
+    """``world_size`` local processes joined in one process group, reused across calls.
+
+    The ranks run on DeepSpeed's CPU accelerator over gloo unless ``env`` sets ``DS_ACCELERATOR``
+    (``cuda``: one GPU per rank, NCCL).
+    """
 
     def __init__(self, world_size: int = 2, *, env: dict[str, str] | None = None, start_timeout_s: float = 600,
                  daemon: bool = True) -> None:
@@ -73,12 +95,16 @@ class RankGroup:
         self.world_size = world_size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, port, dict(env or {}), self._tasks[r],
-                                                         self._results), name=f"async_ckpt-rank{r}", daemon=daemon)
-                       for r in range(world_size)]
-        for proc in self._procs:
-            proc.start()
+        # The environment goes in at birth: unpickling _worker imports async_ckpt, hence DeepSpeed,
+        # which picks its accelerator from DS_ACCELERATOR at import, before any code of ours runs.
+        common = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), **(env or {}),
+                  "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        self._procs = [ctx.Process(target=_worker, args=(self._tasks[r], self._results), name=f"async_ckpt-rank{r}",
+                                   daemon=daemon) for r in range(world_size)]
+        for rank, proc in enumerate(self._procs):
+            with _environment({**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
+                proc.start()
         self._collect(start_timeout_s, "start")
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 900, **kwargs: Any) -> list[Any]:
