@@ -147,7 +147,7 @@ class StagingPool:
 
     def _buffer_for(self, slot: tuple[str, int], nbytes: int, pin: bool) -> torch.Tensor:
         buf = self._slots.get(slot)
-        if buf is None or buf.numel() != nbytes or (pin and not buf.is_pinned()):
+        if buf is None or buf.numel() != nbytes or (pin and nbytes and not buf.is_pinned()):  # empty never pins
             buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
             self._slots[slot] = buf
             self.allocations += 1
