@@ -13,12 +13,18 @@ import torch.distributed as dist
 CHUNK = 16 * 1024 * 1024
 
 
-def copy_floor_s(nbytes: int, repeats: int = 3) -> float:
-    """Best time to copy ``nbytes`` into host memory that is already allocated and touched."""
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+def copy_floor_s(nbytes: int, device: torch.device | str = "cpu", repeats: int = 3) -> float:
+    """Best time to copy ``nbytes`` from ``device`` into host memory that is already allocated and touched.
+
+    From a GPU the destination is pinned, so this is the device-to-host copy engine's speed.
+    """
+    device = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(0)
     best = float("inf")
     for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         started = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - started)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 class Method:
     name = "method"
     note = ""
+    root = ""  # where this method's checkpoints go
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         self.engine = engine
@@ -39,6 +40,11 @@ class Method:
 
     def close(self) -> None:
         pass
+
+    def discard(self) -> None:
+        """Delete this method's local checkpoints once measured, so a long run does not fill the disk."""
+        if self.target["kind"] == "local" and self.rank == 0:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _dir_bytes(path: str) -> int:
@@ -73,7 +79,7 @@ class DecoupledDeepSpeed(Method):
     """
 
     name = "ds_decoupled"
-    note = "DeepSpeed decoupled engine with its 'python' writer (FastPersist needs an accelerator)"
+    note = "DeepSpeed decoupled engine with its 'python' writer (FastPersist needs an accelerator and its async_io op)"
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         super().__init__(engine, target, rank)
@@ -220,10 +226,10 @@ class AsyncCkpt(Method):
         import async_ckpt
 
         if target["kind"] == "local":
-            url = os.path.join(target["local_dir"], self.name)
+            self.root = os.path.join(target["local_dir"], self.name)
         else:
-            url = f"{target['url'].rstrip('/')}/{self.name}"
-        self.ckpt = async_ckpt.wrap(engine, url, storage_options=target["storage_options"], **options)
+            self.root = f"{target['url'].rstrip('/')}/{self.name}"
+        self.ckpt = async_ckpt.wrap(engine, self.root, storage_options=target["storage_options"], **options)
         self.handles: list[Any] = []
         self.rss_before_save: list[int] = []
         self.staging_bytes: list[int] = []
@@ -277,6 +283,3 @@ class AsyncCkptExact(AsyncCkpt):
 METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptExact,
                                AsyncCkptOverlap, AsyncCkptTuned)}
 
-
-def clean(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)

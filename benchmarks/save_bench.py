@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from async_ckpt.workload import SIZES
 from benchmarks.methods import METHODS
 
 ALL_METHODS = list(METHODS)
@@ -27,6 +28,7 @@ ALL_METHODS = list(METHODS)
 class BenchConfig:
     stage: int = 3
     dtype: str = "fp32"
+    device: str = "cpu"
     ranks: int = 2
     size: str = "bench"
     saves: int = 3
@@ -106,11 +108,12 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             entry["rss_before_save"] = method.rss_before_save
             entry["staging_bytes"] = method.staging_bytes
         method.close()
+        method.discard()
         results[name] = entry
         peak_rss = max(peak_rss, proc.memory_info().rss)
     ours = results.get("async_ckpt", {}).get("bytes_per_save")  # this rank's share of a checkpoint
     nbytes = ours or 64 * 1024 * 1024
-    floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes),
+    floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes, engine.device),
              "local_write_s": floors.local_write_floor_s(nbytes, os.path.join(target["local_dir"], "floor"))}
     if target["kind"] == "s3":
         floor["s3_upload_s"] = floors.s3_upload_floor_s(nbytes, target["url"], target["storage_options"])
@@ -158,7 +161,6 @@ def run(cfg: BenchConfig) -> dict:
     from async_ckpt.launch import RankGroup
     from benchmarks.report import summarize, table, timeline_png
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     unknown = set(cfg.methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {ALL_METHODS}")
@@ -166,7 +168,7 @@ def run(cfg: BenchConfig) -> dict:
     target, server = _start_target(cfg, workdir)
     started = time.time()
     try:
-        with RankGroup(cfg.ranks, daemon=False) as ranks:
+        with RankGroup(cfg.ranks, daemon=False, env={"DS_ACCELERATOR": cfg.device}) as ranks:
             raw = ranks.run(bench_rank, asdict(cfg), target, timeout_s=3600)
     finally:
         if server is not None:
@@ -193,8 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 saves: a smoke run")
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--size", choices=["tiny", "small", "bench"], default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one rank per GPU over NCCL, pinned staging on a side stream")
+    parser.add_argument("--ranks", type=int, default=None, help="default: 2 on cpu, every visible GPU on cuda")
+    parser.add_argument("--size", choices=list(SIZES), default=None)
     parser.add_argument("--saves", type=int, default=None, help="saves per method")
     parser.add_argument("--steps-between", type=int, default=None)
     parser.add_argument("--target", choices=["local", "s3"], default="local")
@@ -205,11 +209,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp folder)")
 
 
+def _default_ranks(device: str) -> int:
+    if device == "cpu":
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible")
+    return torch.cuda.device_count()
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     base = BenchConfig.quick() if args.quick else BenchConfig()
     overrides = {k: v for k, v in {"size": args.size, "saves": args.saves, "steps_between": args.steps_between}.items()
                  if v is not None}
-    return BenchConfig(**{**asdict(base), **overrides, "stage": args.stage, "dtype": args.dtype, "ranks": args.ranks,
+    return BenchConfig(**{**asdict(base), **overrides, "stage": args.stage, "dtype": args.dtype, "device": args.device,
+                          "ranks": args.ranks or _default_ranks(args.device),
                           "target": "s3" if args.url else args.target, "url": args.url, "endpoint": args.endpoint,
                           "methods": [m for m in args.methods.split(",") if m], "out": args.out,
                           "workdir": args.workdir})
