@@ -65,7 +65,7 @@ class CheckpointConfig:
     """
 
     url: str
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # may hold credentials
     keep_last: int | None = None
     on_error: OnError = "warn"
     overlap_copy: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict
 
@@ -90,3 +91,29 @@ def wrap_with_wrong_credentials(endpoint: str, bucket: str) -> dict:
     engine = workload.make_engine(1, "fp32")
     options = {"endpoint_url": endpoint, "key": "AKIAWRONGWRONGWRONG1", "secret": "s3cr3t-never-printed"}
     return {"wrong_credentials": _outcome(lambda: async_ckpt.wrap(engine, f"s3://{bucket}/run", storage_options=options))}
+
+
+def save_with_credentials_in_options(endpoint: str, bucket: str, key: str, secret: str) -> dict:
+    """A whole save with credentials passed in storage_options, keeping every async_ckpt log line."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Keep(level=logging.DEBUG)
+    logger = logging.getLogger("async_ckpt")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        engine = workload.make_engine(2, "fp32")
+        workload.train(engine, 1, workload.token_stream(), dist.get_rank())
+        options = {"endpoint_url": endpoint, "key": key, "secret": secret}
+        with async_ckpt.wrap(engine, f"s3://{bucket}/run", storage_options=options) as ckpt:
+            result = ckpt.save(tag="creds").result(timeout=300)
+            shown = [repr(ckpt.config), repr(result), str(ckpt.storage.url)]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return {"logs": lines, "shown": shown}

@@ -140,3 +140,32 @@ def test_wrong_credentials_are_refused_at_wrap_without_leaking_the_secret(s3, ra
         kind, message = ranks.run(s3_tasks.wrap_with_wrong_credentials, s3.endpoint, bucket)[0]["wrong_credentials"]
     assert kind == "StorageError" and "InvalidAccessKeyId" in message
     assert "s3cr3t-never-printed" not in message
+
+
+@pytest.fixture(scope="module")
+def saved_with_credentials(s3, ranks):
+    """A save whose credentials come in storage_options (a distinctive secret; moto takes any)."""
+    bucket = s3.make_bucket("with-credentials")
+    key, secret = ("AKIAEXAMPLEKEY000001", "s3cr3t-kept-out-of-everything") if not s3.external else (
+        os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"])
+    out = ranks.run(s3_tasks.save_with_credentials_in_options, s3.endpoint, bucket, key, secret)
+    return {"bucket": bucket, "secret": secret, "ranks": out}
+
+
+def test_credentials_never_appear_in_the_log(saved_with_credentials):
+    lines = [line for rank in saved_with_credentials["ranks"] for line in rank["logs"]]
+    assert any("creds" in line for line in lines)  # the save was logged at all
+    assert [line for line in lines if saved_with_credentials["secret"] in line] == []
+
+
+def test_credentials_never_appear_in_the_config_or_result_repr(saved_with_credentials):
+    shown = [text for rank in saved_with_credentials["ranks"] for text in rank["shown"]]
+    assert [text for text in shown if saved_with_credentials["secret"] in text] == []
+
+
+def test_credentials_never_appear_in_the_manifest_or_commit_files(saved_with_credentials, s3):
+    client, bucket = s3.client(), saved_with_credentials["bucket"]
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"] if not o["Key"].endswith(".pt")]
+    assert "run/creds/async_ckpt_manifest.json" in keys and "run/latest" in keys
+    secret = saved_with_credentials["secret"].encode()
+    assert [k for k in keys if secret in client.get_object(Bucket=bucket, Key=k)["Body"].read()] == []
