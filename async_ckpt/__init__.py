@@ -2,16 +2,28 @@
 
 ``ckpt = async_ckpt.wrap(engine, url)`` then ``ckpt.save()`` returns once the state is
 snapshotted; a background thread writes and commits it. See the README for guarantees.
+
+``wrap`` and ``AsyncCheckpointer`` are imported on first use: they pull in DeepSpeed, which the
+command-line tools that only read a checkpoint (``ls``, ``verify``, ``gc``) do not need.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from async_ckpt.config import CheckpointConfig
+from async_ckpt.errors import (AsyncCkptError, CheckpointerClosedError, CheckpointNotFoundError, ConfigError,
+                               ConversionError, InvalidTagError, NotCommittedError, SaveFailedError, StorageError,
+                               TagExistsError, UsageError, VerificationError)
+from async_ckpt.handle import SaveHandle, SaveResult
 
 __version__ = "0.1.0"
 
-from async_ckpt.checkpointer import AsyncCheckpointer, wrap  # noqa: E402
-from async_ckpt.config import CheckpointConfig  # noqa: E402
-from async_ckpt.errors import (AsyncCkptError, CheckpointerClosedError, CheckpointNotFoundError,  # noqa: E402
-                               ConfigError, ConversionError, InvalidTagError, NotCommittedError, SaveFailedError, StorageError,
-                               TagExistsError, UsageError, VerificationError)
-from async_ckpt.handle import SaveHandle, SaveResult  # noqa: E402
+if TYPE_CHECKING:
+    from async_ckpt.checkpointer import AsyncCheckpointer, wrap
+
+_LAZY = {"wrap": "async_ckpt.checkpointer", "AsyncCheckpointer": "async_ckpt.checkpointer"}
 
 __all__ = [
     "wrap", "AsyncCheckpointer", "CheckpointConfig", "SaveHandle", "SaveResult",
@@ -19,3 +31,12 @@ __all__ = [
     "CheckpointNotFoundError", "NotCommittedError", "VerificationError", "CheckpointerClosedError", "UsageError",
     "ConversionError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'async_ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -8,6 +8,7 @@ Every command that reads a root takes any fsspec URL; ``--endpoint`` and ``--sto
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -221,14 +222,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unreachable(exc: BaseException) -> bool:
+    """An error of the storage client itself: wrong bucket, endpoint, credentials, network."""
+    return isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore")
+
+
 def main(argv: list[str] | None = None) -> int:
     from async_ckpt.errors import AsyncCkptError
 
     args = build_parser().parse_args(argv)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to the stdout it finds at import; ours is data
+        import deepspeed  # noqa: F401
     try:
         return args.func(args)
     except (AsyncCkptError, json.JSONDecodeError, FileNotFoundError) as exc:
         print(f"async-ckpt {args.command}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        if not _unreachable(exc):
+            raise
+        print(f"async-ckpt {args.command}: cannot read {getattr(args, 'url', 'the checkpoint')}: "
+              f"{type(exc).__name__}: {str(exc).rstrip('.')}. Check the URL, --endpoint and the credentials", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -118,3 +118,39 @@ def test_gc_aborts_orphaned_multipart_uploads_on_s3(s3_root, s3, capsys):
     code, out, _ = run_cli(capsys, "gc", url, "--endpoint", s3.endpoint, "--grace-s", "0", "--json")
     assert code == 0 and len(json.loads(out)["aborted_uploads"]) == 1
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+COMMANDS = ["demo", "bench", "ls", "verify", "gc", "pull", "export", "to-universal"]
+READERS = [("ls",), ("verify",), ("gc",), ("pull", "--dest", "{tmp}/pulled"), ("export", "--out", "{tmp}/exported")]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0 and f"usage: async-ckpt {command}" in capsys.readouterr().out
+
+
+def test_json_on_stdout_parses_when_run_as_a_fresh_process(local_root):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "async_ckpt", "ls", str(local_root), "--json"],
+                          capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(done.stdout)["latest"] == "second"  # DeepSpeed's log lines go to stderr
+
+
+@pytest.mark.parametrize("argv", READERS, ids=[r[0] for r in READERS])
+def test_a_missing_bucket_is_a_clear_error_not_a_traceback(argv, s3, capsys, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in argv]
+    code, _, err = run_cli(capsys, args[0], "s3://no-such-bucket-here/run", *args[1:], "--endpoint", s3.endpoint)
+    assert code == 2 and "s3://no-such-bucket-here/run" in err and "NoSuchBucket" in err
+
+
+def test_an_unreachable_endpoint_is_a_clear_error(capsys):
+    from async_ckpt.launch import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    code, _, err = run_cli(capsys, "ls", "s3://bucket/run", "--endpoint", dead,
+                           "--storage-options", json.dumps({"config_kwargs": {"retries": {"max_attempts": 1}}}))
+    assert code == 2 and "cannot read s3://bucket/run" in err and "Check the URL" in err
