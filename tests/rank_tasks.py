@@ -139,6 +139,60 @@ def snapshot_ignores_later_mutation(root: str, overlap: bool) -> dict:
     return {"tag": handle.tag}
 
 
+def _host_copy(obj):
+    """Every tensor in ``obj`` cloned to a detached host tensor (deepcopy refuses ZeRO's non-leaf views)."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_host_copy(v) for v in obj]
+    return obj
+
+
+def _same_tensors(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_tensors(x, y) for x, y in zip(a, b))
+    return True
+
+
+def save_while_previous_persists(root: str, gate: str) -> dict:
+    """A second save() while the first one's write is held waits for it, and each tag keeps its own step."""
+    import threading
+
+    from faulty_fs import register
+
+    register()
+    tokens = _tokens()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, tokens, _rank())
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate})
+    states = [_host_copy(engine.optimizer.state_dict())]
+    first = ckpt.save(tag="first")
+    workload.train(engine, 1, tokens, _rank())
+    states.append(_host_copy(engine.optimizer.state_dict()))
+    opener = threading.Timer(1.0, lambda: open(gate, "w").close()) if _rank() == 0 else None
+    if opener is not None:
+        opener.start()
+    second = ckpt.save(tag="second")
+    name = f"zero_pp_rank_{_rank()}_mp_rank_00_optim_states.pt"
+    seen = {"first_written_when_second_returned": os.path.exists(f"{root}/first/{name}"),
+            "buffer_wait_s": second.metrics["buffer_wait_s"]}
+    first.result(timeout=120)
+    second.result(timeout=120)
+    ckpt.close()
+    if opener is not None:
+        opener.join()
+    saved = [torch.load(f"{root}/{tag}/{name}", weights_only=False)["optimizer_state_dict"] for tag in ("first", "second")]
+    seen["tags_hold_their_own_step"] = [_same_tensors(s, state) for s, state in zip(saved, states)]
+    seen["steps_differ"] = not _same_tensors(states[0], states[1])
+    return seen
+
+
 def bad_inputs(root: str, not_a_dir: str) -> dict:
     """Every misuse gives a typed error; returns ``{case: (error type, message)}`` and what was written."""
     engine = workload.make_engine(1, "fp32")
@@ -182,12 +236,13 @@ def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "EN
     good.save(tag="good").result(timeout=60)
     good.close()
     faults = {"fail_ranks": [1], "fail_errno": fail_errno, "fail_after_bytes": after_bytes}
-    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, on_error=on_error)
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, on_error=on_error, keep_last=1)
     handle = ckpt.save(tag="bad")
     error = handle.exception(timeout=120)
     dist.barrier()
     seen = {"handle_error": (type(error).__name__, str(error)) if error else None,
             "latest": open(f"{root}/latest").read(),
+            "good_manifest": os.path.exists(f"{root}/good/async_ckpt_manifest.json"),
             "bad_manifest": os.path.exists(f"{root}/bad/async_ckpt_manifest.json"),
             "bad_data_files": sorted(os.path.basename(p) for p in glob.glob(f"{root}/bad/*.pt*"))}
     workload.train(engine, 1, tokens, _rank())
@@ -277,6 +332,21 @@ def retention(root: str, keep_last: int, keep_every: int | None) -> dict:
         for _ in range(5):
             workload.train(engine, 1, tokens, _rank())
             ckpt.save().result(timeout=60)
+    return {"tags": sorted(t for t in os.listdir(root) if os.path.isfile(f"{root}/{t}/async_ckpt_manifest.json")),
+            "latest": open(f"{root}/latest").read()}
+
+
+def retention_spares_the_latest_tag(root: str) -> dict:
+    """keep_last=1, but later saves leave 'latest' on the first tag (save_latest=False)."""
+    engine = workload.make_engine(1, "fp32")
+    tokens = _tokens()
+    with async_ckpt.wrap(engine, root, keep_last=1) as ckpt:
+        workload.train(engine, 1, tokens, _rank())
+        ckpt.save(tag="a").result(timeout=60)
+        for tag in ("b", "c"):
+            workload.train(engine, 1, tokens, _rank())
+            engine.save_checkpoint(root, tag=tag, save_latest=False)
+            ckpt.wait()
     return {"tags": sorted(t for t in os.listdir(root) if os.path.isfile(f"{root}/{t}/async_ckpt_manifest.json")),
             "latest": open(f"{root}/latest").read()}
 

@@ -98,9 +98,11 @@ class FaultProxy:
                         if "parts" in query:
                             proxy._budget = int(query["parts"][0])
                         proxy.hold = query.get("hold", [proxy.hold])[0]
+                        count = str(proxy.injected).encode()
                     self.send_response(200)
-                    self.send_header("Content-Length", "0")
+                    self.send_header("Content-Length", str(len(count)))
                     self.end_headers()
+                    self.wfile.write(count)  # faults injected so far
                     return
                 if self.command == "PUT" and "partNumber" in query and proxy.hold and proxy.hold in self.path:
                     while proxy.hold and proxy.hold in self.path:
@@ -178,10 +180,10 @@ def options(endpoint: str, **extra) -> dict:
     return {"endpoint_url": endpoint, **extra}
 
 
-def set_faults(proxy_endpoint: str, parts: int) -> None:
-    """From any process: fail the next ``parts`` part uploads (-1: all, 0: none)."""
+def set_faults(proxy_endpoint: str, parts: int) -> int:
+    """From any process: fail the next ``parts`` part uploads (-1: all, 0: none); returns the faults injected so far."""
     req = urllib.request.Request(f"{proxy_endpoint}/__faults__?parts={parts}", method="POST")
-    urllib.request.urlopen(req).read()
+    return int(urllib.request.urlopen(req).read() or 0)
 
 
 def set_hold(proxy_endpoint: str, match: str) -> None:

@@ -65,7 +65,7 @@ def save_through_fault_proxy(url: str, options: dict, proxy: str) -> dict:
     out["transient"] = _outcome(lambda: ckpt.save(tag="good").result(timeout=300))
     dist.barrier()
     if dist.get_rank() == 0:
-        set_faults(proxy, -1)
+        out["injected_while_transient"] = set_faults(proxy, -1)
     dist.barrier()
     error = ckpt.save(tag="bad").exception(timeout=300)
     out["permanent"] = (type(error).__name__, str(error)) if error else None

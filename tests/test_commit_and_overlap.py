@@ -76,3 +76,21 @@ def test_on_save_done_callback_gets_every_finished_save_and_cannot_break_saving(
         assert rank_out["seen"][0]["done"] and rank_out["seen"][0]["ok"]
         assert {"stall_s", "persist_s", "bytes_written", "durable_s"} <= set(rank_out["seen"][0]["metrics"])
         assert rank_out["committed_despite_raising_callback"] == "two"
+
+
+@pytest.fixture(scope="module")
+def second_save_during_first(ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("back-to-back")
+    return ranks.run(rank_tasks.save_while_previous_persists, str(root / "ckpt"), str(root / "gate"))
+
+
+def test_save_while_the_previous_one_persists_waits_for_its_write(second_save_during_first):
+    for rank in second_save_during_first:
+        assert rank["first_written_when_second_returned"] is True
+        assert rank["buffer_wait_s"] > 0
+
+
+def test_back_to_back_saves_never_mix_tensors_between_tags(second_save_during_first):
+    for rank in second_save_during_first:
+        assert rank["steps_differ"] is True
+        assert rank["tags_hold_their_own_step"] == [True, True]

@@ -57,6 +57,11 @@ def test_keep_last_deletes_older_committed_tags_after_newer_commits(ranks, tmp_p
     assert out["tags"] == ["global_step4", "global_step5"] and out["latest"] == "global_step5"
 
 
+def test_keep_last_never_deletes_the_tag_latest_names(ranks, tmp_path):
+    out = ranks.run(rank_tasks.retention_spares_the_latest_tag, str(tmp_path / "ckpt"))[0]
+    assert out["latest"] == "a" and out["tags"] == ["a", "c"]
+
+
 def test_keep_every_protects_tags_from_retention(ranks, tmp_path):
     out = ranks.run(rank_tasks.retention, str(tmp_path / "ckpt"), 2, 2)[0]
     assert out["tags"] == ["global_step2", "global_step4", "global_step5"]

@@ -41,6 +41,11 @@ def test_latest_still_names_the_previous_tag(failed):
     assert out[0]["bad_manifest"] is False
 
 
+def test_retention_keeps_the_previous_tag_when_the_newer_save_fails(failed):
+    _, out, _ = failed
+    assert [r["good_manifest"] for r in out] == [True, True]  # keep_last=1, yet the only committed tag stays
+
+
 def test_failed_tag_leaves_no_partial_data_files(failed):
     _, out, _ = failed
     assert out[1]["bad_data_files"] == []
