@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
@@ -26,6 +27,7 @@ class S3Server:
     def __init__(self) -> None:
         self.external = os.environ.get("ASYNC_CKPT_TEST_S3_ENDPOINT")
         self._moto = None
+        self._created: list[str] = []
         if self.external:
             self.endpoint = self.external.rstrip("/")
             self.env = {k: os.environ[k] for k in DUMMY_ENV if k in os.environ}
@@ -50,13 +52,28 @@ class S3Server:
             urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")).read()
 
     def make_bucket(self, name: str) -> str:
-        client = self.client()
-        client.create_bucket(Bucket=name)
+        """Create a bucket; against an external endpoint its name gets a unique suffix (runs repeat there)."""
+        if self.external:
+            name = f"{name[:40]}-{uuid.uuid4().hex[:12]}"
+            self._created.append(name)
+        self.client().create_bucket(Bucket=name)
         return name
 
     def stop(self) -> None:
         if self._moto is not None:
             self._moto.stop()
+        for bucket in self._created:  # an external endpoint keeps what a run made: remove it
+            self._empty_and_delete(bucket)
+
+    def _empty_and_delete(self, bucket: str) -> None:
+        client = self.client()
+        for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+        client.delete_bucket(Bucket=bucket)
 
 
 class FaultProxy:
@@ -159,9 +176,10 @@ class FaultProxy:
             self._budget = n
             self.kind = kind
 
-    def fail_all_parts(self) -> None:
+    def fail_all_parts(self, kind: str = "503") -> None:
         with self._lock:
             self._budget = -1
+            self.kind = kind
 
     def heal(self) -> None:
         with self._lock:

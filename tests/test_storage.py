@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
+from async_ckpt.errors import StorageError
 from async_ckpt.serialization import write_torch_file
 from async_ckpt.storage import LocalStorage, open_storage
+from async_ckpt.storage.local import DirectWriter, _open_direct
 from async_ckpt.storage.s3 import S3Storage
 from async_ckpt.storage.retry import RetryPolicy
 from s3_server import FaultProxy, options
@@ -29,6 +31,37 @@ def test_direct_and_buffered_writes_give_identical_bytes(tmp_path):
     write_torch_file(LocalStorage(str(tmp_path / "direct"), direct_io=True), "t/a.pt", STATE, tag_dir="t", rank=0)
     write_torch_file(LocalStorage(str(tmp_path / "buffered"), direct_io=False), "t/a.pt", STATE, tag_dir="t", rank=0)
     assert (tmp_path / "direct" / "t" / "a.pt").read_bytes() == (tmp_path / "buffered" / "t" / "a.pt").read_bytes()
+
+
+def test_direct_writer_keeps_file_order_across_many_buffer_hand_offs(tmp_path):
+    path = tmp_path / "f.bin"
+    fd = _open_direct(str(path))
+    if fd is None:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    payload = os.urandom(10 * 8192 + 123)
+    writer = DirectWriter(fd, buffer_bytes=8192)
+    try:
+        for start in range(0, len(payload), 3000):  # pieces that straddle the buffers
+            writer.write(payload[start:start + 3000])
+        writer.finish()
+    finally:
+        writer.release()
+        os.close(fd)
+    assert path.read_bytes() == payload
+
+
+def test_direct_writer_raises_the_error_of_a_background_write(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)  # every write fails (EBADF), in the helper thread
+    writer = DirectWriter(fd, buffer_bytes=8192)
+    try:
+        with pytest.raises(OSError):
+            writer.write(b"x" * 8192 * 3)
+            writer.finish()
+    finally:
+        writer.release()
+        os.close(fd)
 
 
 @pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
@@ -87,3 +120,22 @@ def test_s3_upload_survives_transient_part_faults(s3, bucket, kind):
         assert s3.client().get_object(Bucket=bucket, Key="run/tag/blob.bin")["Body"].read() == payload
     finally:
         proxy.stop()
+
+
+def test_s3_upload_that_keeps_timing_out_fails_naming_the_object_and_aborts(s3, bucket):
+    proxy = FaultProxy(s3.endpoint)
+    proxy.stall_s = 3.0
+    try:
+        proxy.fail_all_parts(kind="stall")
+        opts = options(proxy.endpoint, config_kwargs={"read_timeout": 1.0, "connect_timeout": 2})
+        storage = open_storage(f"s3://{bucket}/run", opts, part_size=5 * 1024 * 1024,
+                               retry=RetryPolicy(attempts=2, base_delay_s=0.05))
+        with pytest.raises(StorageError, match="run/tag/blob.bin") as raised:
+            with storage.open_write("tag/blob.bin") as stream:
+                stream.write(os.urandom(11 * 1024 * 1024))
+        assert "timeout" in str(raised.value).lower()
+    finally:
+        proxy.stop()
+    client = s3.client()
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="run/tag/")

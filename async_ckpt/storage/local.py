@@ -17,6 +17,7 @@ import errno
 import mmap
 import os
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Iterator
 
 import fsspec
@@ -36,53 +37,78 @@ _BLOCK = 4096
 _BOUNCE_BYTES = 32 * 1024 * 1024
 
 
-class DirectWriter:
-    """Write-only stream over an ``O_DIRECT`` file descriptor.
+def _write_all(fd: int, view: memoryview, length: int) -> None:
+    written = 0
+    while written < length:
+        written += os.write(fd, view[written:length])
 
-    ``O_DIRECT`` needs aligned memory and block-multiple lengths, so writes are gathered in a
-    page-aligned bounce buffer and flushed in whole buffers; the last block is zero-padded and
-    the file truncated back to its true size on :meth:`finish`.
+
+class DirectWriter:
+    """Write-only stream over an ``O_DIRECT`` file descriptor, double-buffered.
+
+    ``O_DIRECT`` needs aligned memory and block-multiple lengths, so writes are gathered in
+    page-aligned bounce buffers and written out whole; the last block is zero-padded and the file
+    truncated back to its true size on :meth:`finish`. Two buffers take turns: while a helper
+    thread writes one to the device (``os.write`` releases the GIL), the next one fills with what
+    torch.save serializes, so serialization and the disk work at the same time instead of one
+    after the other. One helper thread keeps the writes in file order; an error it meets is
+    raised by the next :meth:`write` or by :meth:`finish`.
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, buffer_bytes: int = _BOUNCE_BYTES) -> None:
+        if buffer_bytes <= 0 or buffer_bytes % _BLOCK:
+            raise ValueError(f"buffer_bytes must be a positive multiple of {_BLOCK}, got {buffer_bytes}")
         self._fd = fd
-        self._buffer = mmap.mmap(-1, _BOUNCE_BYTES)
-        self._view = memoryview(self._buffer)
+        self._capacity = buffer_bytes
+        self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(2)]
+        self._views = [memoryview(b) for b in self._buffers]
+        self._current = 0
         self._filled = 0
+        self._in_flight: Future[None] | None = None
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_ckpt-direct-io")
         self.size = 0
 
     def write(self, data: object) -> int:
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
         total = view.nbytes
         while view.nbytes:
-            take = min(_BOUNCE_BYTES - self._filled, view.nbytes)
-            self._view[self._filled:self._filled + take] = view[:take]
+            take = min(self._capacity - self._filled, view.nbytes)
+            self._views[self._current][self._filled:self._filled + take] = view[:take]
             self._filled += take
             view = view[take:]
-            if self._filled == _BOUNCE_BYTES:
-                self._write_out(_BOUNCE_BYTES)
+            if self._filled == self._capacity:
+                self._hand_off(self._capacity)
         self.size += total
         return total
 
     def flush(self) -> None:
         pass
 
-    def _write_out(self, length: int) -> None:
-        written = 0
-        while written < length:
-            written += os.write(self._fd, self._view[written:length])
+    def _hand_off(self, length: int) -> None:
+        """Queue the current buffer for writing and continue in the other once its own write is done."""
+        previous = self._in_flight
+        self._in_flight = self._io.submit(_write_all, self._fd, self._views[self._current], length)
+        self._current ^= 1
         self._filled = 0
+        if previous is not None:
+            previous.result()
 
     def finish(self) -> None:
         if self._filled:
             padded = -(-self._filled // _BLOCK) * _BLOCK
-            self._view[self._filled:padded] = bytes(padded - self._filled)
-            self._write_out(padded)
+            self._views[self._current][self._filled:padded] = bytes(padded - self._filled)
+            self._hand_off(padded)
+        if self._in_flight is not None:
+            self._in_flight.result()
+            self._in_flight = None
         os.ftruncate(self._fd, self.size)
 
     def release(self) -> None:
-        self._view.release()
-        self._buffer.close()
+        """Stop the helper thread (after the write in flight, if any) and free the buffers."""
+        self._io.shutdown(wait=True)
+        for view, buffer in zip(self._views, self._buffers):
+            view.release()
+            buffer.close()
 
 
 def _open_direct(path: str) -> int | None:
