@@ -28,7 +28,9 @@ class SaveHandle:
     """Tracks one save. ``done()`` is true once it committed or failed.
 
     ``metrics`` fills in as the save progresses: ``stall_s`` (time the training loop was blocked
-    in ``save()``), ``staging_bytes``, then ``persist_s``, ``bytes_written`` and ``commit_s``.
+    in ``save()``), ``staging_bytes``, then ``persist_s``, ``bytes_written``,
+    ``upload_buffer_peak_bytes`` (object stores: the most part memory the uploader has held so
+    far, bounded by ``(max_concurrency + 1) * part_size``) and ``commit_s``.
     """
 
     tag: str

@@ -86,6 +86,7 @@ class BackgroundWriter:
             job.release_buffers()
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)
+            metrics["upload_buffer_peak_bytes"] = job.storage.upload_buffer_peak_bytes
             current = "the commit"
             commit.publish_rank(job, written)
             manifest = commit.await_commit(job, self._commit_timeout_s)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import asdict
 
@@ -10,7 +9,7 @@ import torch.distributed as dist
 
 import async_ckpt
 from async_ckpt import workload
-from rank_tasks import STEPS_AFTER, STEPS_BEFORE, _outcome
+from rank_tasks import STEPS_AFTER, STEPS_BEFORE, _outcome, async_ckpt_log
 from s3_server import set_faults
 
 
@@ -23,7 +22,8 @@ def save_to_bucket(stage: int, url: str, options: dict, stock_dir: str) -> dict:
         handle = ckpt.save()
         losses = workload.train(engine, STEPS_AFTER, tokens, dist.get_rank())
         result = handle.result(timeout=300)
-    return {"tag": result.tag, "losses_after": losses}
+    return {"tag": result.tag, "losses_after": losses, "upload_buffer_peak_bytes": handle.metrics["upload_buffer_peak_bytes"],
+            "upload_buffer_bound": (ckpt.config.max_concurrency + 1) * ckpt.config.part_size}
 
 
 def resume_from_bucket(stage: int, url: str, options: dict, cache_base: str) -> dict:
@@ -95,25 +95,11 @@ def wrap_with_wrong_credentials(endpoint: str, bucket: str) -> dict:
 
 def save_with_credentials_in_options(endpoint: str, bucket: str, key: str, secret: str) -> dict:
     """A whole save with credentials passed in storage_options, keeping every async_ckpt log line."""
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(self.format(record))
-
-    handler = Keep(level=logging.DEBUG)
-    logger = logging.getLogger("async_ckpt")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
+    with async_ckpt_log() as lines:
         engine = workload.make_engine(2, "fp32")
         workload.train(engine, 1, workload.token_stream(), dist.get_rank())
         options = {"endpoint_url": endpoint, "key": key, "secret": secret}
         with async_ckpt.wrap(engine, f"s3://{bucket}/run", storage_options=options) as ckpt:
             result = ckpt.save(tag="creds").result(timeout=300)
             shown = [repr(ckpt.config), repr(result), str(ckpt.storage.url)]
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     return {"logs": lines, "shown": shown}

@@ -36,6 +36,11 @@ def test_resume_from_bucket_continues_bitwise_like_the_uninterrupted_run(in_buck
         assert in_bucket["resumed"][rank]["losses"] == in_bucket["saved"][rank]["losses_after"]
 
 
+def test_uploader_memory_is_reported_and_bounded_by_the_window(in_bucket):
+    for rank in in_bucket["saved"]:
+        assert 0 < rank["upload_buffer_peak_bytes"] <= rank["upload_buffer_bound"]
+
+
 def test_each_rank_fetches_only_its_own_shard(in_bucket):
     for rank, out in enumerate(in_bucket["resumed"]):
         shards = [p for p in out["first"]["files"] if "zero_pp_rank_" in p]

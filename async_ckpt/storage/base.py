@@ -73,6 +73,11 @@ class Storage(abc.ABC):
         """The root as a local folder, when DeepSpeed can read it in place; else ``None``."""
         return None
 
+    @property
+    def upload_buffer_peak_bytes(self) -> int:
+        """Most memory the uploader has held for parts in flight (0 where files are written in place)."""
+        return 0
+
     def write_bytes(self, relpath: str, data: bytes) -> None:
         """Atomically publish a small file."""
         with self.open_write(relpath) as stream:

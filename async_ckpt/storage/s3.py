@@ -213,6 +213,10 @@ class S3Storage(FsspecStorage):
 
         fsspec.asyn.sync(self.fs.loop, abort)
 
+    @property
+    def upload_buffer_peak_bytes(self) -> int:
+        return self.stats.peak_buffered_bytes
+
     def list_dir(self, relpath: str = "") -> list[str]:
         self.fs.invalidate_cache(self.full_path(relpath))
         return super().list_dir(relpath)
