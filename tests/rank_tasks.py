@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,27 @@ def _rank() -> int:
 
 def _tokens():
     return workload.token_stream()
+
+
+@contextlib.contextmanager
+def async_ckpt_log() -> Iterator[list[str]]:
+    """Every async_ckpt log line (DEBUG and up) emitted on this rank meanwhile, formatted, in a list."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Keep(logging.DEBUG)
+    logger = logging.getLogger("async_ckpt")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _outcome(fn):
@@ -52,6 +75,29 @@ def save_stock_and_async(stage: int, dtype: str, root: str) -> dict:
     return {"tag": result.tag, "losses_after": losses}
 
 
+def save_fast_persist_and_async(stage: int, dtype: str, root: str) -> dict:
+    """The same step saved by DeepSpeed's FastPersist engine (its Python writer) and by async_ckpt's defaults."""
+    from deepspeed.runtime.checkpoint_engine.utils import create_checkpoint_engine
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import groups
+
+    for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():  # what the deepspeed launcher sets
+        os.environ.setdefault(key, value)
+    engine = workload.make_engine(stage, dtype)
+    workload.train(engine, STEPS_BEFORE, _tokens(), _rank())
+    config = dict(engine.config)
+    config["checkpoint"] = {"writer": {"type": "python", "decoupled": False, "io_buffer_size": 16 * 1024 * 1024,
+                                       "io_buffer_double": True, "show_statistics": False, "data_parallel": "socket"}}
+    stock_engine = engine.checkpoint_engine
+    engine.checkpoint_engine = create_checkpoint_engine(DeepSpeedConfig(config), groups, engine.zero_optimization_stage(),
+                                                        engine.has_moe_layers, False)
+    type(engine).save_checkpoint(engine, f"{root}/fast", client_state=dict(CLIENT_STATE))
+    engine.checkpoint_engine = stock_engine
+    with async_ckpt.wrap(engine, f"{root}/async") as ckpt:
+        tag = ckpt.save(client_state=dict(CLIENT_STATE)).result(timeout=120).tag
+    return {"tag": tag}
+
+
 def resume_and_train(stage: int, dtype: str, root: str, use_async: bool) -> dict:
     """A fresh engine (different init) restores the checkpoint and trains on."""
     engine = workload.make_engine(stage, dtype, seed=1234)
@@ -66,15 +112,20 @@ def resume_and_train(stage: int, dtype: str, root: str, use_async: bool) -> dict
     return {"tag": tag, "losses": losses, "client_state": client_state, "step": int(engine.global_steps)}
 
 
-def save_while_storage_is_gated(root: str, gate: str) -> dict:
-    """Steps run while every rank's write is held; the commit lands once the gate opens."""
+def _gated_checkpointer(root: str, gate: str, stage: int):
+    """A once-trained engine wrapped on ``faulty://root`` whose data writes wait until ``gate`` exists."""
     from faulty_fs import register
 
     register()
     tokens = _tokens()
-    engine = workload.make_engine(3, "fp32")
+    engine = workload.make_engine(stage, "fp32")
     workload.train(engine, 1, tokens, _rank())
-    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate})
+    return engine, tokens, async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate})
+
+
+def save_while_storage_is_gated(root: str, gate: str) -> dict:
+    """Steps run while every rank's write is held; the commit lands once the gate opens."""
+    engine, tokens, ckpt = _gated_checkpointer(root, gate, stage=3)
     handle = ckpt.save()
     losses = workload.train(engine, 3, tokens, _rank())
     seen = {"steps_done": len(losses), "done_during_steps": handle.done(),
@@ -150,13 +201,14 @@ def _host_copy(obj):
     return obj
 
 
-def _same_tensors(a, b) -> bool:
+def same_tensors(a, b) -> bool:
+    """Whether two nested dicts/lists hold equal tensors in the same places (devices aside)."""
     if torch.is_tensor(a):
-        return torch.equal(a, b)
+        return torch.is_tensor(b) and torch.equal(a.cpu(), b.cpu())
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_tensors(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_tensors(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
     return True
 
 
@@ -164,13 +216,7 @@ def save_while_previous_persists(root: str, gate: str) -> dict:
     """A second save() while the first one's write is held waits for it, and each tag keeps its own step."""
     import threading
 
-    from faulty_fs import register
-
-    register()
-    tokens = _tokens()
-    engine = workload.make_engine(2, "fp32")
-    workload.train(engine, 1, tokens, _rank())
-    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate})
+    engine, tokens, ckpt = _gated_checkpointer(root, gate, stage=2)
     states = [_host_copy(engine.optimizer.state_dict())]
     first = ckpt.save(tag="first")
     workload.train(engine, 1, tokens, _rank())
@@ -188,8 +234,8 @@ def save_while_previous_persists(root: str, gate: str) -> dict:
     if opener is not None:
         opener.join()
     saved = [torch.load(f"{root}/{tag}/{name}", weights_only=False)["optimizer_state_dict"] for tag in ("first", "second")]
-    seen["tags_hold_their_own_step"] = [_same_tensors(s, state) for s, state in zip(saved, states)]
-    seen["steps_differ"] = not _same_tensors(states[0], states[1])
+    seen["tags_hold_their_own_step"] = [same_tensors(s, state) for s, state in zip(saved, states)]
+    seen["steps_differ"] = not same_tensors(states[0], states[1])
     return seen
 
 
@@ -279,7 +325,9 @@ def recovery_after_crashes(root: str) -> dict:
                     with open(f"{root}/latest", "w") as fh:
                         fh.write(text)
             dist.barrier()
-            out[case] = ckpt.load()[0]
+            with async_ckpt_log() as lines:
+                out[case] = ckpt.load()[0]
+            out[f"{case}_log"] = [line for line in lines if "resuming from" in line]
 
         with_latest("older", "stale_latest")
         with_latest("deleted-tag", "dangling_latest")

@@ -154,3 +154,20 @@ def test_an_unreachable_endpoint_is_a_clear_error(capsys):
     code, _, err = run_cli(capsys, "ls", "s3://bucket/run", "--endpoint", dead,
                            "--storage-options", json.dumps({"config_kwargs": {"retries": {"max_attempts": 1}}}))
     assert code == 2 and "cannot read s3://bucket/run" in err and "Check the URL" in err
+
+
+def test_pull_shows_a_byte_progress_bar_on_stderr(local_root, capsys, tmp_path):
+    code, out, err = run_cli(capsys, "pull", str(local_root), "--dest", str(tmp_path / "pulled"))
+    assert code == 0 and "pulled second" in out
+    assert "pull second" in err and "100%" in err
+
+
+MISSING_TAG = [("verify",), ("pull", "--dest", "{tmp}/pulled"), ("export", "--out", "{tmp}/exported"),
+               ("to-universal", "--out", "{tmp}/universal")]
+
+
+@pytest.mark.parametrize("argv", MISSING_TAG, ids=[r[0] for r in MISSING_TAG])
+def test_a_missing_tag_is_a_clear_error_for_every_command(argv, local_root, capsys, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in argv]
+    code, _, err = run_cli(capsys, args[0], str(local_root), *args[1:], "--tag", "nope")
+    assert code == 2 and "'nope'" in err and "Traceback" not in err

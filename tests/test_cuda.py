@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cuda_tasks
+from rank_tasks import same_tensors
 from async_ckpt.launch import RankGroup
 from async_ckpt.staging import StagingPool
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -84,23 +85,13 @@ def test_overlapped_gpu_save_consolidates_to_the_stock_weights_bitwise(saved):
     assert [k for k in stock if not torch.equal(stock[k], ours[k])] == []
 
 
-def _same_tensors(a, b, path=""):
-    if torch.is_tensor(a):
-        return [] if torch.equal(a.cpu(), b.cpu()) else [path]
-    if isinstance(a, dict):
-        return [p for k in a if k != "ds_config" for p in _same_tensors(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)):
-        return [p for i, (x, y) in enumerate(zip(a, b)) for p in _same_tensors(x, y, f"{path}[{i}]")]
-    return []
-
-
 def test_optimizer_state_holds_the_values_at_save_time_though_training_went_on(saved):
     tag = saved["out"]["tag"]
     stock = sorted(glob.glob(str(saved["root"] / "stock" / tag / "*.pt")))
     assert stock
     for path in stock:
         ours = saved["root"] / "async" / tag / os.path.basename(path)
-        assert _same_tensors(torch.load(path, weights_only=False), torch.load(ours, weights_only=False)) == []
+        assert same_tensors(torch.load(path, weights_only=False), torch.load(ours, weights_only=False)), ours.name
 
 
 def test_later_gpu_saves_reuse_the_staging_memory_of_the_first(saved):

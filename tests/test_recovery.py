@@ -17,6 +17,18 @@ def test_load_picks_the_newest_committed_tag_when_latest_is_wrong(recovered, cas
     assert [r[case] for r in recovered] == ["newer", "newer"]
 
 
+WHY = {"stale_latest": "'latest' names 'older' (step 1) but a newer tag is committed",
+       "dangling_latest": "'latest' names 'deleted-tag', which is missing or was never committed",
+       "missing_latest": "'latest' is missing"}
+
+
+@pytest.mark.parametrize("case", list(WHY))
+def test_load_says_which_tag_it_chose_and_why(recovered, case):
+    for rank in recovered:
+        [line] = rank[f"{case}_log"]
+        assert "resuming from newer" in line and WHY[case] in line
+
+
 def test_corrupt_shard_is_refused_on_every_rank_naming_file_and_checksums(recovered):
     for rank in recovered:
         kind, message = rank["corrupt_shard"]

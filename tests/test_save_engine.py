@@ -65,3 +65,13 @@ def test_files_are_byte_for_byte_the_stock_deepspeed_files(saved):
     for path in stock:
         ours = saved["root"] / "async" / tag / path.name
         assert ours.read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.parametrize("stage,dtype", [(2, "bf16"), (3, "fp32")], ids=["zero2-bf16", "zero3-fp32"])
+def test_default_files_are_byte_for_byte_deepspeeds_fast_persist_files(ranks, tmp_path, stage, dtype):
+    """FastPersist, like async_ckpt's default, torch.saves into a stream: the zip records are named ``archive/``."""
+    tag = ranks.run(rank_tasks.save_fast_persist_and_async, stage, dtype, str(tmp_path))[0]["tag"]
+    fast = sorted((tmp_path / "fast" / tag).glob("*.pt"))
+    assert fast
+    for path in fast:
+        assert (tmp_path / "async" / tag / path.name).read_bytes() == path.read_bytes(), path.name
