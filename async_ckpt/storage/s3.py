@@ -252,6 +252,7 @@ class MultipartUpload:
         self._parts: list[dict[str, Any]] = []
         self._next_part = 1
         self.size = 0
+        storage.stats.note_buffered(self._part_size)  # the part being filled
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
