@@ -180,6 +180,8 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             self._pool.close()
+            for storage in self._storages.values():
+                storage.close()
             self.engine.checkpoint_engine = self._previous_engine
             if self.engine.__dict__.get("save_checkpoint") == self._engine_save_checkpoint:
                 del self.engine.save_checkpoint
@@ -345,6 +347,7 @@ class AsyncCheckpointer:
         storage = open_storage(url, options, fsync=self.config.fsync, direct_io=self.config.direct_io,
                                part_size=self.config.part_size,
                                max_concurrency=self.config.max_concurrency,
+                               upload_threads=self.config.upload_threads,
                                retry=RetryPolicy(self.config.retry_attempts, self.config.retry_base_delay_s))
         storage.probe()
         return storage

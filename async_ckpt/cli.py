@@ -124,9 +124,9 @@ def _to_universal(args: argparse.Namespace) -> int:
 
     source = _storage(args)
     options = json.loads(args.out_storage_options) if args.out_storage_options else dict(_source_options(args))
-    dest = open_storage(args.out, options if "://" in args.out else None)
-    report = to_universal(source, resolve(source, args.tag), dest, tag=args.out_tag, workers=args.workers,
-                          show_progress=not args.json)
+    with contextlib.closing(open_storage(args.out, options if "://" in args.out else None)) as dest:
+        report = to_universal(source, resolve(source, args.tag), dest, tag=args.out_tag, workers=args.workers,
+                              show_progress=not args.json)
     _emit(args, asdict(report), f"converted {report.source_tag} to universal tag {report.tag} at {report.url}: "
                                 f"{report.files} files, {report.total_bytes / 1e9:.3f} GB in {report.seconds:.1f} s. "
                                 "Load it with checkpoint.load_universal on any number of ranks")

@@ -50,6 +50,9 @@ class CheckpointConfig:
         commit_timeout_s: how long a rank waits for the other ranks' files before the save fails.
         part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum).
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
+        upload_threads: threads (each an event loop with its own client) that share the parts of
+            object-store uploads. Signing and checksumming a part costs CPU, so one thread caps
+            upload speed; more than the cores you can spare buys nothing. At most max_concurrency.
         cache_dir: local folder for files fetched from remote storage on resume.
         retry_attempts: tries per object-store request before a transient error (5xx, throttling,
             timeouts, resets) fails the save.
@@ -75,6 +78,7 @@ class CheckpointConfig:
     commit_timeout_s: float = 1800.0
     part_size: int = 16 * MiB
     max_concurrency: int = 8
+    upload_threads: int = 4
     cache_dir: str = field(default_factory=default_cache_dir)
     retry_attempts: int = 6
     retry_base_delay_s: float = 0.2
@@ -102,6 +106,9 @@ class CheckpointConfig:
             raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
         if not isinstance(self.max_concurrency, int) or not 1 <= self.max_concurrency <= 256:
             raise ConfigError(f"max_concurrency must be an integer in 1..256, got {self.max_concurrency!r}")
+        if isinstance(self.upload_threads, bool) or not isinstance(self.upload_threads, int) \
+                or not 1 <= self.upload_threads <= 64:
+            raise ConfigError(f"upload_threads must be an integer in 1..64, got {self.upload_threads!r}")
         if not isinstance(self.retry_attempts, int) or self.retry_attempts < 1:
             raise ConfigError(f"retry_attempts must be a positive integer, got {self.retry_attempts!r}")
         if not self.retry_base_delay_s >= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import asdict
 
 import torch.distributed as dist
@@ -24,6 +25,10 @@ def save_to_bucket(stage: int, url: str, options: dict, stock_dir: str) -> dict:
         result = handle.result(timeout=300)
     return {"tag": result.tag, "losses_after": losses, "upload_buffer_peak_bytes": handle.metrics["upload_buffer_peak_bytes"],
             "upload_buffer_bound": (ckpt.config.max_concurrency + 1) * ckpt.config.part_size}
+
+
+def _async_ckpt_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("async_ckpt"))
 
 
 def resume_from_bucket(stage: int, url: str, options: dict, cache_base: str) -> dict:
@@ -73,7 +78,9 @@ def save_through_fault_proxy(url: str, options: dict, proxy: str) -> dict:
     if dist.get_rank() == 0:
         set_faults(proxy, 0)
     out["latest"] = ckpt.storage.read_bytes("latest").decode()
+    out["threads_open"] = _async_ckpt_threads()
     ckpt.close()
+    out["threads_closed"] = _async_ckpt_threads()
     return out
 
 

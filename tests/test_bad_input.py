@@ -67,6 +67,7 @@ def test_use_after_close_is_refused(outcomes, case):
 
 
 @pytest.mark.parametrize("kwargs", [dict(url=""), dict(url="x", part_size=1024), dict(url="x", max_concurrency=0),
+                                    dict(url="x", upload_threads=0), dict(url="x", upload_threads=True),
                                     dict(url="x", commit_timeout_s=0), dict(url="x", keep_last=True)])
 def test_config_is_validated_at_construction(kwargs):
     with pytest.raises(ConfigError):

@@ -116,6 +116,12 @@ def test_permanent_failure_leaves_no_multipart_upload(through_faults, s3):
     assert uploads == []
 
 
+def test_upload_threads_are_stopped_when_the_checkpointer_closes(through_faults):
+    for rank in through_faults["ranks"]:
+        assert any(name.startswith("async_ckpt-s3-lane") for name in rank["threads_open"])
+        assert rank["threads_closed"] == []
+
+
 def test_permanent_failure_keeps_latest_on_the_previous_tag(through_faults):
     assert [r["latest"] for r in through_faults["ranks"]] == ["good", "good"]
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import os
+import threading
+import zlib
 
 import pytest
 import torch
@@ -82,6 +85,45 @@ def test_s3_write_round_trips_through_multipart(s3, bucket):
         stream.write(payload)
     assert s3.client().get_object(Bucket=bucket, Key="run/tag/blob.bin")["Body"].read() == payload
     assert storage.stats.peak_buffered_bytes <= (3 + 1) * 5 * 1024 * 1024
+
+
+def test_s3_objects_carry_the_crc32_of_their_bytes(s3, bucket):
+    """Each part is sent with its CRC-32 and the store keeps them: S3 checks every part on arrival."""
+    part = 5 * 1024 * 1024
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=part)
+    multipart, single = os.urandom(2 * part + 3), b"small"
+    for name, payload in (("multipart.bin", multipart), ("single.bin", single)):
+        with storage.open_write(name) as stream:
+            stream.write(payload)
+    storage.close()
+    crc = {name: s3.client().head_object(Bucket=bucket, Key=f"run/{name}", ChecksumMode="ENABLED")["ChecksumCRC32"]
+           for name in ("multipart.bin", "single.bin")}
+    part_crcs = b"".join(_crc32(multipart[i:i + part]) for i in range(0, len(multipart), part))
+    assert base64.b64decode(crc["multipart.bin"].split("-")[0]) == _crc32(part_crcs)  # S3's composite checksum
+    assert base64.b64decode(crc["single.bin"]) == _crc32(single)
+
+
+def _crc32(data: bytes) -> bytes:
+    return zlib.crc32(data).to_bytes(4, "big")
+
+
+def test_s3_upload_threads_run_while_uploading_and_stop_on_close(s3, bucket):
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024,
+                           max_concurrency=3, upload_threads=8)
+    before = _upload_threads()
+    with storage.open_write("blob.bin") as stream:
+        stream.write(os.urandom(11 * 1024 * 1024))
+    assert len(_upload_threads() - before) == 3  # never more threads than parts in flight
+    storage.close()
+    assert _upload_threads() == before
+    storage.write_bytes("after-close.bin", os.urandom(6 * 1024 * 1024))  # stays usable: threads start again
+    assert len(_upload_threads() - before) == 3
+    storage.close()
+    assert _upload_threads() == before
+
+
+def _upload_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("async_ckpt-s3-lane")}
 
 
 def test_failed_s3_write_aborts_its_multipart_upload(s3, bucket):

@@ -73,6 +73,9 @@ class Storage(abc.ABC):
         """The root as a local folder, when DeepSpeed can read it in place; else ``None``."""
         return None
 
+    def close(self) -> None:
+        """Stop what the backend started for transfers (threads, connections); it stays usable."""
+
     @property
     def upload_buffer_peak_bytes(self) -> int:
         """Most memory the uploader has held for parts in flight (0 where files are written in place)."""
