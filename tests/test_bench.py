@@ -57,13 +57,24 @@ def test_bench_writes_the_timeline_png(bench):
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_s3_transfer_compares_both_directions_with_boto3_at_each_concurrency(tmp_path):
-    from benchmarks.s3_transfer import BOTO3_CONCURRENCY, main as transfer_main
+def test_s3_transfer_compares_both_clients_in_both_directions_at_each_concurrency(tmp_path):
+    from benchmarks.s3_transfer import CONCURRENCY, main as transfer_main
 
     out = tmp_path / "transfer.json"
     assert transfer_main(["--mib", "8", "--part-mib", "5", "--repeats", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert set(data["median_gbps"]) == {"async_ckpt_upload", "async_ckpt_download"} | {
-        f"boto3_{d}_x{c}" for d in ("upload", "download") for c in BOTO3_CONCURRENCY}
+    assert set(data["median_gbps"]) == {f"{who}_{d}_x{c}" for who in ("async_ckpt", "boto3")
+                                        for d in ("upload", "download") for c in CONCURRENCY}
     assert data["upload_ratio_vs_boto3"] > 0 and data["download_ratio_vs_boto3"] > 0
     assert data["uploader_peak_buffered_bytes"] > 0
+
+
+def test_s3_transfer_against_the_null_server_measures_uploads_only(tmp_path):
+    from benchmarks.s3_transfer import main as transfer_main
+
+    out = tmp_path / "null.json"
+    assert transfer_main(["--server", "null", "--mib", "8", "--part-mib", "5", "--repeats", "1",
+                          "--concurrency", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["median_gbps"]) == {"async_ckpt_upload_x4", "boto3_upload_x4"}
+    assert data["upload_ratio_vs_boto3"] > 0 and "download_ratio_vs_boto3" not in data
