@@ -103,6 +103,18 @@ def test_s3_objects_carry_the_crc32_of_their_bytes(s3, bucket):
     assert base64.b64decode(crc["single.bin"]) == _crc32(single)
 
 
+def test_s3_checksums_are_left_out_when_the_client_sends_them_only_where_required(s3, bucket):
+    opts = options(s3.endpoint, config_kwargs={"request_checksum_calculation": "when_required"})
+    storage = open_storage(f"s3://{bucket}/run", opts, part_size=5 * 1024 * 1024)
+    payload = os.urandom(11 * 1024 * 1024)
+    with storage.open_write("multipart.bin") as stream:
+        stream.write(payload)
+    storage.close()
+    head = s3.client().head_object(Bucket=bucket, Key="run/multipart.bin", ChecksumMode="ENABLED")
+    assert "ChecksumCRC32" not in head
+    assert s3.client().get_object(Bucket=bucket, Key="run/multipart.bin")["Body"].read() == payload
+
+
 def _crc32(data: bytes) -> bytes:
     return zlib.crc32(data).to_bytes(4, "big")
 

@@ -42,6 +42,13 @@ T = TypeVar("T")
 CHECKSUM = "CRC32"
 
 
+def _checksum_args(s3: Any) -> dict[str, str]:
+    """``ChecksumAlgorithm`` for a request, unless the client was told to send checksums only where
+    required (``request_checksum_calculation="when_required"`` in ``config_kwargs``, or
+    ``AWS_REQUEST_CHECKSUM_CALCULATION``): the setting for stores that refuse them."""
+    return {} if s3.meta.config.request_checksum_calculation == "when_required" else {"ChecksumAlgorithm": CHECKSUM}
+
+
 @dataclass
 class TransferStats:
     """Bytes moved by one storage object, for reports (a rank must not read other ranks' shards)."""
@@ -401,20 +408,19 @@ class MultipartUpload:
         s3 = await self._storage._client()
         resp = await self._storage.retry.run(
             f"create upload {self._key}",
-            lambda: s3.create_multipart_upload(Bucket=self._storage.bucket, Key=self._key,
-                                               ChecksumAlgorithm=CHECKSUM))
+            lambda: s3.create_multipart_upload(Bucket=self._storage.bucket, Key=self._key, **_checksum_args(s3)))
         return resp["UploadId"]
 
     async def _upload_part(self, number: int, part: io.BytesIO, s3: Any) -> dict[str, Any]:
         resp = await self._storage.retry.run(
             f"part {number} of {self._key}",
             lambda: s3.upload_part(Bucket=self._storage.bucket, Key=self._key, PartNumber=number,
-                                   UploadId=self._upload_id, Body=_rewound(part), ChecksumAlgorithm=CHECKSUM))
+                                   UploadId=self._upload_id, Body=_rewound(part), **_checksum_args(s3)))
         self._storage.stats.add(bytes_uploaded=part.getbuffer().nbytes)
-        part = {"PartNumber": number, "ETag": resp["ETag"]}
+        entry = {"PartNumber": number, "ETag": resp["ETag"]}
         if resp.get(f"Checksum{CHECKSUM}"):  # the store verified the part; complete names it back
-            part[f"Checksum{CHECKSUM}"] = resp[f"Checksum{CHECKSUM}"]
-        return part
+            entry[f"Checksum{CHECKSUM}"] = resp[f"Checksum{CHECKSUM}"]
+        return entry
 
     def complete(self) -> None:
         storage = self._storage
