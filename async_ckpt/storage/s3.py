@@ -115,10 +115,11 @@ class UploadLanes:
     """Event-loop threads, each with its own S3 client, over which upload parts are spread.
 
     Why: s3fs runs every request of a filesystem on its one asyncio thread, and each part's
-    request costs CPU there (over plain HTTP botocore SHA-256-signs the whole body, every upload
-    computes its CRC-32, aiohttp copies it). One thread capped uploads at about half of boto3's
-    TransferManager, which spreads the same work over a thread pool. hashlib and zlib release the
-    GIL on large buffers, so several loops sign and checksum parts in parallel. The threads
+    request costs CPU on the thread that sends it (over plain HTTP botocore SHA-256-signs the
+    whole body; every part's CRC-32 is computed). With one thread the client tops out where
+    boto3's TransferManager, which spreads the same work over a thread pool, does (0.55 GB/s
+    against an endpoint that drops what it gets, on 2 cores); hashlib and zlib release the GIL,
+    so with 4 loops parts are hashed in parallel (0.75 GB/s; benchmarks/RESULTS.md). The threads
     (``async_ckpt-s3-lane-N``) start with the first multipart upload and stop in :meth:`close`.
     """
 
