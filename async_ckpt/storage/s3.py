@@ -146,15 +146,17 @@ class UploadLanes:
     def close(self) -> None:
         """Close every lane's client, stop its loop and join its thread."""
         for loop, thread, client in self._lanes:
+            if thread is threading.current_thread():  # a finalizer run by the GC on this lane: it cannot wait for itself
+                loop.call_soon(loop.stop)
+                continue
             if client is not None:
                 with contextlib.suppress(Exception):
                     asyncio.run_coroutine_threadsafe(client.close(), loop).result(timeout=10)
             with contextlib.suppress(Exception):  # the resolver's executor threads, started by aiohttp
                 asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result(timeout=10)
             loop.call_soon_threadsafe(loop.stop)
-            if thread is not threading.current_thread():  # a finalizer may run on a lane
-                thread.join()
-                loop.close()
+            thread.join()
+            loop.close()
         self._lanes.clear()
 
 
