@@ -7,6 +7,7 @@ import os
 import threading
 import zlib
 
+import boto3
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage.local import DirectWriter, _open_direct
 from async_ckpt.storage.s3 import S3Storage
 from async_ckpt.storage.retry import RetryPolicy
-from s3_server import FaultProxy, options
+from s3_server import FaultProxy, https_moto, options
 
 STATE = {"weights": torch.arange(1_000_003, dtype=torch.float32), "step": 7, "nested": [torch.ones(3, 5)]}
 
@@ -113,6 +114,23 @@ def test_s3_checksums_are_left_out_when_the_client_sends_them_only_where_require
     head = s3.client().head_object(Bucket=bucket, Key="run/multipart.bin", ChecksumMode="ENABLED")
     assert "ChecksumCRC32" not in head
     assert s3.client().get_object(Bucket=bucket, Key="run/multipart.bin")["Body"].read() == payload
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")  # moto's self-signed certificate
+def test_s3_write_and_ranged_read_round_trip_over_https(tmp_path):
+    with https_moto() as endpoint:
+        opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "client_kwargs": {"verify": False}}
+        boto3.client("s3", endpoint_url=endpoint, verify=False, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket="over-https")
+        storage = open_storage("s3://over-https/run", opts, part_size=5 * 1024 * 1024)
+        payload = os.urandom(11 * 1024 * 1024 + 7)
+        with storage.open_write("multipart.bin") as stream:
+            stream.write(payload)
+        storage.write_bytes("single.bin", b"small")
+        storage.get_file("multipart.bin", str(tmp_path / "multipart.bin"))
+        assert storage.read_bytes("single.bin") == b"small"
+        storage.close()
+    assert (tmp_path / "multipart.bin").read_bytes() == payload
 
 
 def _crc32(data: bytes) -> bytes:
