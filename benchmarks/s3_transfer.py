@@ -6,10 +6,11 @@ best counts; async_ckpt's default (8) is reported too. Each object is deleted on
 the server's memory stays flat.
 
 ``--server moto`` (default, when no ``--endpoint``) starts a moto server on 127.0.0.1 in a process
-of its own; ``--server null`` starts :mod:`benchmarks.null_s3`, which drops what it receives, so
+of its own (``moto-tls``: the same over https, as real S3 is); ``--server null`` starts :mod:`benchmarks.null_s3`, which drops what it receives, so
 the client is the bottleneck (uploads only).
 
     python -m benchmarks.s3_transfer --mib 256 --repeats 5
+    python -m benchmarks.s3_transfer --server moto-tls --mib 256 --repeats 5
     python -m benchmarks.s3_transfer --server null --mib 512 --repeats 5
 """
 
@@ -20,6 +21,7 @@ import contextlib
 import io
 import json
 import os
+import ssl
 import statistics
 import subprocess
 import sys
@@ -42,7 +44,7 @@ def _best(gbps: dict[str, float], prefix: str, concurrency: tuple[int, ...]) -> 
 
 
 def measure(endpoint: str, bucket: str, nbytes: int, repeats: int, part_size: int, upload_threads: int = 4,
-            concurrency: tuple[int, ...] = CONCURRENCY, download: bool = True) -> dict:
+            concurrency: tuple[int, ...] = CONCURRENCY, download: bool = True, verify: bool = True) -> dict:
     """Median GB/s of each client at each concurrency, and the ratios of the two clients' bests."""
     import boto3
     from boto3.s3.transfer import TransferConfig
@@ -50,10 +52,11 @@ def measure(endpoint: str, bucket: str, nbytes: int, repeats: int, part_size: in
     from async_ckpt.storage.s3 import S3Storage
 
     data = _payload(nbytes)
-    client = boto3.client("s3", endpoint_url=endpoint)
+    client = boto3.client("s3", endpoint_url=endpoint, verify=verify)
     configs = {c: TransferConfig(multipart_chunksize=part_size, multipart_threshold=part_size, max_concurrency=c)
                for c in concurrency}
-    storages = {c: S3Storage(f"s3://{bucket}/xfer", {"endpoint_url": endpoint}, part_size=part_size,
+    options = {"endpoint_url": endpoint, "client_kwargs": {"verify": verify}}
+    storages = {c: S3Storage(f"s3://{bucket}/xfer", options, part_size=part_size,
                              max_concurrency=c, upload_threads=upload_threads) for c in concurrency}
     directions = ("upload", "download") if download else ("upload",)
     runs: dict[str, list[float]] = {f"{who}_{d}_x{c}": [] for who in ("async_ckpt", "boto3")
@@ -99,20 +102,22 @@ def measure(endpoint: str, bucket: str, nbytes: int, repeats: int, part_size: in
 
 @contextlib.contextmanager
 def server_process(kind: str) -> Iterator[str]:
-    """A moto or null S3 server in its own process on 127.0.0.1 (in-process, it would share the clients' GIL)."""
+    """A moto (``moto-tls``: over https, self-signed) or null S3 server in its own process on
+    127.0.0.1 (in-process, it would share the clients' GIL)."""
     from async_ckpt.launch import free_port
 
     port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    module, probe = {"moto": ("moto.server", "/moto-api/"), "null": ("benchmarks.null_s3", "/")}[kind]
-    args = ["-H", "127.0.0.1", "-p", str(port)] if kind == "moto" else ["--port", str(port)]
+    endpoint = f"{'https' if kind == 'moto-tls' else 'http'}://127.0.0.1:{port}"
+    module, probe = ("benchmarks.null_s3", "/") if kind == "null" else ("moto.server", "/moto-api/")
+    args = {"moto": ["-H", "127.0.0.1", "-p", str(port)], "moto-tls": ["-H", "127.0.0.1", "-p", str(port), "-s"],
+            "null": ["--port", str(port)]}[kind]
     server = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                urllib.request.urlopen(f"{endpoint}{probe}", timeout=1).read()
+                urllib.request.urlopen(f"{endpoint}{probe}", timeout=1, context=ssl._create_unverified_context()).read()
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
@@ -151,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
                         help="parts in flight to measure both clients at (default 4 8 16)")
     parser.add_argument("--threads", type=int, default=4, help="async_ckpt's upload_threads (default 4)")
-    parser.add_argument("--server", choices=("moto", "null"), default="moto",
-                        help="the local server to start when no --endpoint is given")
+    parser.add_argument("--server", choices=("moto", "moto-tls", "null"), default="moto",
+                        help="the local server to start when no --endpoint is given (moto-tls: https)")
     parser.add_argument("--endpoint", default=None, help="an S3 endpoint to use instead of a local server")
     parser.add_argument("--bucket", default="xfer-bench")
     parser.add_argument("--json", default=None, help="also write the figures here")
@@ -162,16 +167,23 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault(key, "bench")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     null = args.endpoint is None and args.server == "null"
+    verify = not (args.endpoint is None and args.server == "moto-tls")  # its certificate is self-signed
     with contextlib.ExitStack() as stack:
+        if not verify:
+            import warnings
+
+            import urllib3
+
+            warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
         endpoint = args.endpoint or stack.enter_context(server_process(args.server))
         if not null:
             import boto3
 
-            client = boto3.client("s3", endpoint_url=endpoint)
+            client = boto3.client("s3", endpoint_url=endpoint, verify=verify)
             if args.bucket not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
                 client.create_bucket(Bucket=args.bucket)
         result = measure(endpoint, args.bucket, args.mib * MiB, args.repeats, args.part_mib * MiB, args.threads,
-                         tuple(args.concurrency), download=not null)
+                         tuple(args.concurrency), download=not null, verify=verify)
     result["server"] = args.endpoint or args.server
     print(_report(result, args))
     if args.json:

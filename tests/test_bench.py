@@ -78,3 +78,13 @@ def test_s3_transfer_against_the_null_server_measures_uploads_only(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["median_gbps"]) == {"async_ckpt_upload_x4", "boto3_upload_x4"}
     assert data["upload_ratio_vs_boto3"] > 0 and "download_ratio_vs_boto3" not in data
+
+
+def test_s3_transfer_runs_over_https_against_moto_tls(tmp_path):
+    from benchmarks.s3_transfer import main as transfer_main
+
+    out = tmp_path / "tls.json"
+    assert transfer_main(["--server", "moto-tls", "--mib", "8", "--part-mib", "5", "--repeats", "1",
+                          "--concurrency", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["server"] == "moto-tls" and data["upload_ratio_vs_boto3"] > 0 and data["download_ratio_vs_boto3"] > 0
