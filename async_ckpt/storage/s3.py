@@ -197,7 +197,7 @@ class S3Storage(FsspecStorage):
         return await s3fs.S3FileSystem(asynchronous=True, loop=loop, **self._lane_fs_options).set_session()
 
     def close(self) -> None:
-        """Stop the upload threads; a later upload starts them again."""
+        """Stop the upload threads and close their clients; a later upload starts them again."""
         with self._lanes_lock:
             lanes, self._lanes = self._lanes, None
         if lanes is not None:
