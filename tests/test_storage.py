@@ -146,8 +146,10 @@ def test_s3_upload_threads_run_while_uploading_and_stop_on_close(s3, bucket):
     assert len(_upload_threads() - before) == 3  # never more threads than parts in flight
     storage.close()
     assert _upload_threads() == before
-    storage.write_bytes("after-close.bin", os.urandom(6 * 1024 * 1024))  # stays usable: threads start again
+    payload = os.urandom(6 * 1024 * 1024)
+    storage.write_bytes("after-close.bin", payload)  # stays usable: clients reconnect, threads start again
     assert len(_upload_threads() - before) == 3
+    assert storage.read_bytes("after-close.bin") == payload
     storage.close()
     assert _upload_threads() == before
 

@@ -197,11 +197,14 @@ class S3Storage(FsspecStorage):
         return await s3fs.S3FileSystem(asynchronous=True, loop=loop, **self._lane_fs_options).set_session()
 
     def close(self) -> None:
-        """Stop the upload threads and close their clients; a later upload starts them again."""
+        """Stop the upload threads and close every client's connections; a later request opens them again."""
         with self._lanes_lock:
             lanes, self._lanes = self._lanes, None
         if lanes is not None:
             self._lanes_finalizer()
+        if self.fs._s3 is not None:  # s3fs's client: its pooled keep-alive connections would stay open
+            with contextlib.suppress(Exception):
+                fsspec.asyn.sync(self.fs.loop, self.fs._s3.close)
 
     def _key(self, relpath: str) -> str:
         return f"{self.prefix}/{relpath}" if self.prefix else relpath
