@@ -495,14 +495,16 @@ def killed_mid_save(root: str, gate: str, phase: str, results: str) -> dict:
     return {"survivor": _rank()}
 
 
-def killed_mid_s3_upload(url: str, options: dict, proxy: str, results: str) -> dict:
-    """Commit 'good' to S3, train on, then SIGKILL rank 1 while its multipart upload of 'doomed' is in flight
-    (the proxy holds its part uploads, so the upload stays open)."""
+def killed_mid_s3_save(url: str, options: dict, proxy: str, results: str, phase: str) -> dict:
+    """Commit 'good' to S3, train on, then SIGKILL a rank while it writes tag 'doomed' ('upload': rank 1
+    with its multipart upload in flight; 'commit': rank 0 with its PUT of the manifest in flight). The
+    proxy holds those requests, so they stay open until the kill."""
     import json
     import signal
 
-    from s3_server import set_hold
+    from s3_server import held_requests, set_hold
 
+    victim, match = {"upload": (1, "doomed/zero_pp_rank_1"), "commit": (0, "doomed/async_ckpt_manifest")}[phase]
     engine = workload.make_engine(2, "fp32", size="small")
     tokens = _tokens()
     workload.train(engine, 2, tokens, _rank())
@@ -511,14 +513,13 @@ def killed_mid_s3_upload(url: str, options: dict, proxy: str, results: str) -> d
     losses = workload.train(engine, STEPS_AFTER, tokens, _rank())
     with open(f"{results}.{_rank()}.json", "w") as fh:
         json.dump({"losses_after_good": losses}, fh)
-    if _rank() == 1:
-        set_hold(proxy, "doomed/zero_pp_rank_1")
+    if _rank() == victim:
+        set_hold(proxy, match)
     dist.barrier()
     ckpt.save(tag="doomed")
-    if _rank() == 1:
+    if _rank() == victim:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(
-                "doomed/zero_pp_rank_1" in key for key, _, _ in ckpt.storage.list_incomplete_uploads()):
+        while time.monotonic() < deadline and not held_requests(proxy):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     return {"survivor": _rank()}

@@ -114,9 +114,9 @@ class FaultProxy:
     the next n part uploads (transient); ``fail_all_parts()`` fails every one (permanent);
     ``heal()`` stops injecting. Other processes (the ranks) do the same with
     ``POST {endpoint}/__faults__?parts=N`` (see :func:`set_faults`). ``hold`` (or
-    ``?hold=TEXT``, :func:`set_hold`) makes part uploads whose path contains TEXT hang until
-    ``heal()``: an upload that stays in flight, for kill tests. Everything else passes through
-    unchanged.
+    ``?hold=TEXT``, :func:`set_hold`) makes PUTs (parts or whole objects) whose path contains TEXT
+    hang until ``heal()``: a write that stays in flight, for kill tests; ``held`` counts those
+    hanging now (:func:`held_requests`). Everything else passes through unchanged.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -126,6 +126,7 @@ class FaultProxy:
         self.kind = "503"
         self.stall_s = 3.0
         self.hold = ""
+        self.held = 0
         self.injected = 0
         proxy = self
 
@@ -144,15 +145,19 @@ class FaultProxy:
                         if "parts" in query:
                             proxy._budget = int(query["parts"][0])
                         proxy.hold = query.get("hold", [proxy.hold])[0]
-                        count = str(proxy.injected).encode()
+                        count = str(proxy.held if "held" in query else proxy.injected).encode()
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(count)))
                     self.end_headers()
                     self.wfile.write(count)  # faults injected so far
                     return
-                if self.command == "PUT" and "partNumber" in query and proxy.hold and proxy.hold in self.path:
+                if self.command == "PUT" and proxy.hold and proxy.hold in self.path:
+                    with proxy._lock:
+                        proxy.held += 1
                     while proxy.hold and proxy.hold in self.path:
                         time.sleep(0.05)
+                    with proxy._lock:
+                        proxy.held -= 1
                     self.close_connection = True
                     return
                 if self.command == "PUT" and "partNumber" in query and proxy._take_fault():
@@ -231,6 +236,11 @@ def set_faults(proxy_endpoint: str, parts: int) -> int:
     """From any process: fail the next ``parts`` part uploads (-1: all, 0: none); returns the faults injected so far."""
     req = urllib.request.Request(f"{proxy_endpoint}/__faults__?parts={parts}", method="POST")
     return int(urllib.request.urlopen(req).read() or 0)
+
+
+def held_requests(proxy_endpoint: str) -> int:
+    """From any process: how many PUTs the proxy holds right now."""
+    return int(urllib.request.urlopen(f"{proxy_endpoint}/__faults__?held=1").read() or 0)
 
 
 def set_hold(proxy_endpoint: str, match: str) -> None:

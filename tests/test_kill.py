@@ -53,29 +53,34 @@ def test_gc_finds_what_the_crash_left_behind(crashed):
     assert os.path.isdir(crashed["root"] / "doomed")
 
 
-@pytest.fixture(scope="module")
-def crashed_on_s3(ranks, s3, tmp_path_factory):
-    """Rank 1 SIGKILLed with its multipart upload of 'doomed' in flight; a fresh job with empty caches resumes."""
-    work = tmp_path_factory.mktemp("kill-s3")
-    bucket = s3.make_bucket("kill-mid-upload")
+@pytest.fixture(scope="module", params=["upload", "commit"], ids=["mid-upload", "mid-commit"])
+def crashed_on_s3(request, ranks, s3, tmp_path_factory):
+    """A rank SIGKILLed with a request of 'doomed' in flight (rank 1's multipart upload, or rank 0's PUT of
+    the manifest); a fresh job with empty caches resumes from the bucket."""
+    phase = request.param
+    work = tmp_path_factory.mktemp(f"kill-s3-{phase}")
+    bucket = s3.make_bucket(f"kill-mid-{phase}")
     proxy = FaultProxy(s3.endpoint)
     try:
         with pytest.raises(RankError, match="died") as info:
-            ranks.run(rank_tasks.killed_mid_s3_upload, f"s3://{bucket}/run", options(proxy.endpoint),
-                      proxy.endpoint, str(work / "result"), timeout_s=180)
+            ranks.run(rank_tasks.killed_mid_s3_save, f"s3://{bucket}/run", options(proxy.endpoint),
+                      proxy.endpoint, str(work / "result"), phase, timeout_s=180)
     finally:
         proxy.stop()
     ranks.restart()
     before = [json.loads((work / f"result.{r}.json").read_text()) for r in range(2)]
     url = f"s3://{bucket}/run"
     resumed = ranks.run(rank_tasks.resume_latest, url, options(s3.endpoint), "small", str(work / "cache"))
-    return {"url": url, "bucket": bucket, "before": before, "resumed": resumed, "error": str(info.value)}
+    return {"phase": phase, "url": url, "bucket": bucket, "before": before, "resumed": resumed,
+            "error": str(info.value)}
 
 
-def test_s3_kill_mid_upload_leaves_latest_on_the_last_commit(crashed_on_s3, s3):
+def test_s3_kill_leaves_latest_on_the_last_commit(crashed_on_s3, s3):
     assert "died (exit code -9)" in crashed_on_s3["error"]
-    latest = s3.client().get_object(Bucket=crashed_on_s3["bucket"], Key="run/latest")["Body"].read()
-    assert latest == b"good"
+    client = s3.client()
+    assert client.get_object(Bucket=crashed_on_s3["bucket"], Key="run/latest")["Body"].read() == b"good"
+    assert client.list_objects_v2(Bucket=crashed_on_s3["bucket"],
+                                  Prefix="run/doomed/async_ckpt_manifest.json").get("KeyCount") == 0
 
 
 def test_s3_fresh_job_resumes_from_the_bucket_bitwise(crashed_on_s3):
@@ -84,12 +89,15 @@ def test_s3_fresh_job_resumes_from_the_bucket_bitwise(crashed_on_s3):
         assert crashed_on_s3["resumed"][rank]["losses"] == crashed_on_s3["before"][rank]["losses_after_good"]
 
 
-def test_s3_gc_aborts_the_killed_ranks_multipart_upload(crashed_on_s3, s3):
+def test_s3_gc_removes_what_the_crash_left_behind(crashed_on_s3, s3):
     from async_ckpt.gc import collect_garbage
     from async_ckpt.storage import open_storage
 
     storage = open_storage(crashed_on_s3["url"], options(s3.endpoint))
-    assert any("doomed/zero_pp_rank_1" in u for u in collect_garbage(storage, grace_s=0, dry_run=True).aborted_uploads)
+    found = collect_garbage(storage, grace_s=0, dry_run=True)
+    assert found.incomplete_tags == ["doomed"]
+    if crashed_on_s3["phase"] == "upload":
+        assert any("doomed/zero_pp_rank_1" in u for u in found.aborted_uploads)
     collect_garbage(storage, grace_s=0)
     client = s3.client()
     assert client.list_multipart_uploads(Bucket=crashed_on_s3["bucket"]).get("Uploads", []) == []
