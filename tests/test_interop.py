@@ -166,11 +166,27 @@ def _hf_logits(folder) -> torch.Tensor:
         return model(input_ids=interop_tasks.PROBE_IDS).logits.float()
 
 
-def test_export_loads_in_transformers_with_the_engines_logits(zero3, capsys, tmp_path):
-    code, out, _ = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path / "hf"), "--json")
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def saved(request, ranks, s3, tmp_path_factory):
+    return _saved(request.param, ranks, s3, tmp_path_factory)
+
+
+def test_export_loads_in_transformers_with_the_engines_logits(saved, capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "export", str(saved["local"]), "--out", str(tmp_path / "hf"), "--json")
     report = json.loads(out)
     assert code == 0 and report["shards"] == ["model-00001-of-00001.safetensors"]
-    assert torch.equal(_hf_logits(tmp_path / "hf"), zero3["logits"])
+    assert torch.equal(_hf_logits(tmp_path / "hf"), saved["logits"])
+
+
+def test_export_without_safetensors_writes_bin_shards_that_load_with_the_engines_logits(zero3, capsys, tmp_path):
+    out_dir = tmp_path / "hf"
+    code, out, _ = run_cli(capsys, "export", str(zero3["local"]), "--out", str(out_dir), "--no-safetensors", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["shards"] == ["pytorch_model-00001-of-00001.bin"]
+    index = json.loads((out_dir / "pytorch_model.bin.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"pytorch_model-00001-of-00001.bin"}
+    assert not list(out_dir.glob("*.safetensors"))
+    assert torch.equal(_hf_logits(out_dir), zero3["logits"])
 
 
 def test_export_from_s3_in_bf16_writes_bf16_shards_an_index_and_the_tokenizer(zero3, s3, capsys, tmp_path):
