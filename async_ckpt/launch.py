@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Iterator, Mapping
@@ -55,8 +59,14 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+#: Sent to a rank that does not answer in time: it writes every thread's stack to its stack file.
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
 def _worker(tasks: Any, results: Any) -> None:
     rank = int(os.environ["RANK"])
+    stacks = open(os.environ["ASYNC_CKPT_STACK_FILE"], "w")  # noqa: SIM115 (open for the life of the rank)
+    faulthandler.register(STACK_DUMP_SIGNAL, file=stacks, all_threads=True)
     try:
         import deepspeed
 
@@ -102,8 +112,10 @@ class RankGroup:
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         self._procs = [ctx.Process(target=_worker, args=(self._tasks[r], self._results), name=f"async_ckpt-rank{r}",
                                    daemon=daemon) for r in range(world_size)]
+        self._stack_dir = tempfile.mkdtemp(prefix="async_ckpt_ranks_")
         for rank, proc in enumerate(self._procs):
-            with _environment({**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
+            with _environment({**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                               "ASYNC_CKPT_STACK_FILE": self._stack_file(rank)}):
                 proc.start()
         self._collect(start_timeout_s, "start")
 
@@ -127,10 +139,11 @@ class RankGroup:
                     failure = failure or f"{what}: rank(s) {dead} died (exit code {self._procs[dead[0]].exitcode})"
                     deadline = min(deadline, time.monotonic() + 20)  # give the survivors a moment
                 if time.monotonic() > deadline:
-                    self.close(force=True)
                     missing = sorted(set(range(self.world_size)) - set(results))
-                    raise RankError(failure or f"{what}: ranks {missing} did not answer within {timeout_s:.0f} s",
-                                    partial=results) from None
+                    stacks = self._stacks(missing)
+                    self.close(force=True)
+                    message = failure or f"{what}: ranks {missing} did not answer within {timeout_s:.0f} s"
+                    raise RankError(message + stacks, partial=results) from None
                 continue
             if not ok and failure is None:
                 failure = f"{what} failed on rank {rank}:\n{value}"
@@ -139,6 +152,25 @@ class RankGroup:
         if failure:
             raise RankError(failure, partial=results)
         return [results[r] for r in range(self.world_size)]
+
+    def _stack_file(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.stacks")
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """What the live ranks among ``ranks`` are doing: every thread's stack, for the error (where a hang is)."""
+        alive = [r for r in ranks if self._procs[r].is_alive() and self._procs[r].pid]
+        for rank in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._procs[rank].pid, STACK_DUMP_SIGNAL)
+        text = ""
+        for rank in alive:
+            deadline = time.monotonic() + 5  # faulthandler writes from the signal handler, at once
+            while time.monotonic() < deadline and not os.path.getsize(self._stack_file(rank)):
+                time.sleep(0.05)
+            time.sleep(0.2)
+            with open(self._stack_file(rank)) as fh:
+                text += f"\n--- rank {rank}, which did not answer, was here:\n{fh.read()}"
+        return text
 
     def close(self, force: bool = False) -> None:
         for proc, q in zip(self._procs, self._tasks):
@@ -149,6 +181,7 @@ class RankGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
 
     @property
     def alive(self) -> bool:

@@ -573,3 +573,14 @@ def save_to_slow_storage(root: str) -> dict:
         tag = handle.result(timeout=120).tag
     return {"steps": len(losses), "done_after_steps": done_after_steps, "tag": tag,
             "latest": open(f"{root}/latest").read()}
+
+
+def hang_on_rank(rank: int, seconds: float) -> dict:
+    """``rank`` hangs (a sleep standing in for a stuck collective); the others answer at once."""
+    if _rank() == rank:
+        _stuck_in_a_long_wait(seconds)
+    return {}
+
+
+def _stuck_in_a_long_wait(seconds: float) -> None:
+    time.sleep(seconds)

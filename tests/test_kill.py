@@ -103,3 +103,11 @@ def test_s3_gc_removes_what_the_crash_left_behind(crashed_on_s3, s3):
     assert client.list_multipart_uploads(Bucket=crashed_on_s3["bucket"]).get("Uploads", []) == []
     assert client.list_objects_v2(Bucket=crashed_on_s3["bucket"], Prefix="run/doomed/").get("KeyCount") == 0
     assert client.list_objects_v2(Bucket=crashed_on_s3["bucket"], Prefix="run/good/")["KeyCount"] > 0
+
+
+def test_a_rank_that_hangs_is_reported_with_where_it_hangs(ranks):
+    """Last in this module: it tears the group down, as any hang does."""
+    with pytest.raises(RankError, match=r"ranks \[1\] did not answer within 5 s") as info:
+        ranks.run(rank_tasks.hang_on_rank, 1, 120, timeout_s=5)
+    assert "rank 1, which did not answer, was here" in str(info.value)
+    assert "_stuck_in_a_long_wait" in str(info.value)
