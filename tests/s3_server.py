@@ -6,19 +6,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import os
-import ssl
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 from urllib.parse import parse_qs, urlsplit
 
 from async_ckpt.launch import free_port
@@ -79,30 +74,6 @@ class S3Server:
             if keys:
                 client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
         client.delete_bucket(Bucket=bucket)
-
-
-@contextlib.contextmanager
-def https_moto() -> Iterator[str]:
-    """moto over https (a self-signed certificate), in a process of its own: real S3 is https, where
-    botocore sends checksums in a trailer (aws-chunked) and skips signing the payload."""
-    port = free_port()
-    endpoint = f"https://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port), "-s"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", context=ssl._create_unverified_context(), timeout=1)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto did not start on {endpoint}") from None
-                time.sleep(0.2)
-        yield endpoint
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 class FaultProxy:

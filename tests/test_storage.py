@@ -17,7 +17,8 @@ from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage.local import DirectWriter, _open_direct
 from async_ckpt.storage.s3 import S3Storage
 from async_ckpt.storage.retry import RetryPolicy
-from s3_server import FaultProxy, https_moto, options
+from benchmarks.s3_transfer import server_process
+from s3_server import FaultProxy, options
 
 STATE = {"weights": torch.arange(1_000_003, dtype=torch.float32), "step": 7, "nested": [torch.ones(3, 5)]}
 
@@ -118,7 +119,7 @@ def test_s3_checksums_are_left_out_when_the_client_sends_them_only_where_require
 
 @pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")  # moto's self-signed certificate
 def test_s3_write_and_ranged_read_round_trip_over_https(tmp_path):
-    with https_moto() as endpoint:
+    with server_process("moto-tls") as endpoint:  # real S3 is https: checksums go in a trailer, unsigned
         opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "client_kwargs": {"verify": False}}
         boto3.client("s3", endpoint_url=endpoint, verify=False, region_name="us-east-1", aws_access_key_id="testing",
                      aws_secret_access_key="testing").create_bucket(Bucket="over-https")
