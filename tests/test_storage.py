@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import os
 import threading
+import time
 import zlib
 
 import boto3
@@ -168,6 +169,36 @@ def test_failed_s3_write_aborts_its_multipart_upload(s3, bucket):
     client = s3.client()
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="run/tag/")
+
+
+def test_s3_close_during_an_upload_fails_the_upload_rather_than_hanging_it(s3, bucket):
+    proxy = FaultProxy(s3.endpoint)
+    proxy.hold = "run/tag/blob.bin"  # part uploads hang: they are in flight when close() comes
+    errors: list[BaseException] = []
+    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint), part_size=5 * 1024 * 1024)
+
+    def upload() -> None:
+        try:
+            with storage.open_write("tag/blob.bin") as stream:
+                stream.write(os.urandom(11 * 1024 * 1024))
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            errors.append(exc)
+
+    writer = threading.Thread(target=upload)
+    try:
+        writer.start()
+        deadline = time.monotonic() + 30
+        while proxy.held < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        storage.close()
+        writer.join(timeout=60)
+        assert not writer.is_alive()
+        assert [type(e) for e in errors] == [StorageError] and "run/tag/blob.bin" in str(errors[0])
+    finally:
+        proxy.stop()
+        writer.join(timeout=60)
+        storage.close()
+    assert s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
 def test_s3_ranged_download_reassembles_the_object(s3, bucket, tmp_path):

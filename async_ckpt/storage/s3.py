@@ -37,6 +37,9 @@ from async_ckpt.storage.retry import RetryPolicy
 MiB = 1024 * 1024
 T = TypeVar("T")
 
+#: Files up to this size are buffered in memory that grows with them; larger ones in full parts.
+SMALL_FILE = 1024 * 1024
+
 #: Every part carries its CRC-32, which the store checks on arrival and combines into the object's
 #: checksum at completion (boto3's TransferManager does the same; the store finishes faster with it).
 CHECKSUM = "CRC32"
@@ -140,12 +143,25 @@ class UploadLanes:
 
     def submit(self, call: Callable[[Any], Awaitable[T]]) -> Future:
         """Run ``call(client)`` on the next lane, round robin: parts are of equal size, so is the load."""
-        loop, _, client = self._lanes[next(self._next) % len(self._lanes)]
+        lanes = self._lanes
+        if not lanes:
+            raise StorageError("the S3 upload threads were closed while an upload was still running")
+        loop, _, client = lanes[next(self._next) % len(lanes)]
         return asyncio.run_coroutine_threadsafe(call(client), loop)
 
+    def run_everywhere(self, call: Callable[[], Awaitable[Any]], timeout_s: float = 30) -> None:
+        """Run ``call()`` on every lane in turn, after whatever was handed to that lane before it."""
+        for loop, thread, _ in self._lanes:
+            if thread is not threading.current_thread():
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=timeout_s)
+
     def close(self) -> None:
-        """Close every lane's client, stop its loop and join its thread."""
-        for loop, thread, client in self._lanes:
+        """Cancel what still runs on the lanes (its callers see the cancellation, rather than wait
+        forever), close every lane's client, stop its loop and join its thread."""
+        self.run_everywhere(_cancel_other_tasks)
+        lanes, self._lanes = self._lanes, []
+        for loop, thread, client in lanes:
             if thread is threading.current_thread():  # a finalizer run by the GC on this lane: it cannot wait for itself
                 loop.call_soon(loop.stop)
                 continue
@@ -157,7 +173,13 @@ class UploadLanes:
             loop.call_soon_threadsafe(loop.stop)
             thread.join()
             loop.close()
-        self._lanes.clear()
+
+
+async def _cancel_other_tasks() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class S3Storage(FsspecStorage):
@@ -200,8 +222,9 @@ class S3Storage(FsspecStorage):
         """Stop the upload threads and close every client's connections; a later request opens them again."""
         with self._lanes_lock:
             lanes, self._lanes = self._lanes, None
-        if lanes is not None:
-            self._lanes_finalizer()
+            finalizer, self._lanes_finalizer = self._lanes_finalizer, None
+        if lanes is not None and finalizer is not None:
+            finalizer()
         if self.fs._s3 is not None:  # s3fs's client: its pooled keep-alive connections would stay open
             with contextlib.suppress(Exception):
                 fsspec.asyn.sync(self.fs.loop, self.fs._s3.close)
@@ -352,10 +375,11 @@ class MultipartUpload:
         self._storage = storage
         self._key = key
         self._part_size = storage.part_size
-        self._part = io.BytesIO()
+        self._part = io.BytesIO()  # grows while the file is small; see write()
         self._upload_id: str | None = None
         self._spare: list[io.BytesIO] = []  # parts whose request is over, filled again rather than allocated
         self._inflight: deque[tuple[Future, io.BytesIO]] = deque()
+        self._running: set[asyncio.Task] = set()  # part requests that have started, on whichever lane
         self._parts: list[dict[str, Any]] = []
         self._next_part = 1
         self.size = 0
@@ -365,6 +389,8 @@ class MultipartUpload:
         view = memoryview(data).cast("B")
         total = view.nbytes
         while view.nbytes:
+            if self._part.tell() + view.nbytes > SMALL_FILE and len(self._part.getbuffer()) < self._part_size:
+                self._part = self._new_part(self._part.getvalue())  # no longer small: a full-size part from now
             take = min(self._part_size - self._part.tell(), view.nbytes)
             self._part.write(view[:take])
             view = view[take:]
@@ -388,8 +414,15 @@ class MultipartUpload:
         """The filled part, cut to its length; a fresh (or spare) one takes its place."""
         part = self._part
         part.truncate()
-        self._part = self._spare.pop() if self._spare else io.BytesIO()
+        self._part = self._spare.pop() if self._spare else self._new_part()
         self._part.seek(0)
+        return part
+
+    def _new_part(self, start: bytes = b"") -> io.BytesIO:
+        """A part buffer of exactly ``part_size`` bytes, positioned after ``start``: one grown by
+        writes would hold up to 1/8 more than it reports."""
+        part = io.BytesIO(bytes(self._part_size))
+        part.write(start)
         return part
 
     def _send_part(self) -> None:
@@ -418,20 +451,40 @@ class MultipartUpload:
         return resp["UploadId"]
 
     async def _upload_part(self, number: int, part: io.BytesIO, s3: Any) -> dict[str, Any]:
-        resp = await self._storage.retry.run(
-            f"part {number} of {self._key}",
-            lambda: s3.upload_part(Bucket=self._storage.bucket, Key=self._key, PartNumber=number,
-                                   UploadId=self._upload_id, Body=_rewound(part), **_checksum_args(s3)))
+        task = asyncio.current_task()
+        self._running.add(task)
+        try:
+            resp = await self._storage.retry.run(
+                f"part {number} of {self._key}",
+                lambda: s3.upload_part(Bucket=self._storage.bucket, Key=self._key, PartNumber=number,
+                                       UploadId=self._upload_id, Body=_rewound(part), **_checksum_args(s3)))
+        finally:
+            self._running.discard(task)
         self._storage.stats.add(bytes_uploaded=part.getbuffer().nbytes)
         entry = {"PartNumber": number, "ETag": resp["ETag"]}
         if resp.get(f"Checksum{CHECKSUM}"):  # the store verified the part; complete names it back
             entry[f"Checksum{CHECKSUM}"] = resp[f"Checksum{CHECKSUM}"]
         return entry
 
+    async def _settle(self) -> None:
+        """On one lane: cancel this upload's part requests running there and wait until they have stopped."""
+        loop = asyncio.get_running_loop()
+        tasks = [task for task in list(self._running) if task.get_loop() is loop]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _release(self) -> None:
+        for part in [self._part, *self._spare, *(part for _, part in self._inflight)]:
+            part.close()
+        self._inflight.clear()
+        self._spare.clear()
+
     def complete(self) -> None:
         storage = self._storage
         if self._upload_id is None:  # small object: one PUT
-            part = self._take_part()
+            part = self._part
+            part.truncate()
 
             async def put() -> None:
                 s3 = await storage._client()
@@ -456,13 +509,17 @@ class MultipartUpload:
         self._wait(storage._run(finish()))
 
     def abort(self) -> None:
-        """Cancel parts in flight and abort the multipart upload, so no parts are left billed."""
+        """Cancel parts in flight and abort the multipart upload, so no parts are left billed.
+
+        The abort waits until no part request runs any more (S3 may keep a part whose upload ends
+        after the abort), and frees the part buffers: a failure is kept, with its traceback, by
+        the checkpointer, and the traceback would keep this object alive.
+        """
         for future, _ in self._inflight:
-            future.cancel()
-        for future, _ in self._inflight:
-            with contextlib.suppress(BaseException):
-                future.result()
-        self._inflight.clear()
+            future.cancel()  # a request that has not started yet never will
+        if self._inflight and self._storage._lanes is not None:
+            self._storage._lanes.run_everywhere(self._settle)
+        self._release()
         if self._upload_id is None:
             return
         storage = self._storage
