@@ -175,11 +175,15 @@ class UploadLanes:
             loop.close()
 
 
-async def _cancel_other_tasks() -> None:
-    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel ``tasks`` (of the running loop) and wait until they have stopped."""
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _cancel_other_tasks() -> None:
+    await _cancel([task for task in asyncio.all_tasks() if task is not asyncio.current_task()])
 
 
 class S3Storage(FsspecStorage):
@@ -221,9 +225,9 @@ class S3Storage(FsspecStorage):
     def close(self) -> None:
         """Stop the upload threads and close every client's connections; a later request opens them again."""
         with self._lanes_lock:
-            lanes, self._lanes = self._lanes, None
+            self._lanes = None
             finalizer, self._lanes_finalizer = self._lanes_finalizer, None
-        if lanes is not None and finalizer is not None:
+        if finalizer is not None:
             finalizer()
         if self.fs._s3 is not None:  # s3fs's client: its pooled keep-alive connections would stay open
             with contextlib.suppress(Exception):
@@ -376,6 +380,7 @@ class MultipartUpload:
         self._key = key
         self._part_size = storage.part_size
         self._part = io.BytesIO()  # grows while the file is small; see write()
+        self._small = True
         self._upload_id: str | None = None
         self._spare: list[io.BytesIO] = []  # parts whose request is over, filled again rather than allocated
         self._inflight: deque[tuple[Future, io.BytesIO]] = deque()
@@ -389,8 +394,9 @@ class MultipartUpload:
         view = memoryview(data).cast("B")
         total = view.nbytes
         while view.nbytes:
-            if self._part.tell() + view.nbytes > SMALL_FILE and len(self._part.getbuffer()) < self._part_size:
-                self._part = self._new_part(self._part.getvalue())  # no longer small: a full-size part from now
+            if self._small and self._part.tell() + view.nbytes > SMALL_FILE:
+                self._part = self._new_part(self._part.getvalue())  # no longer small: full-size parts from now
+                self._small = False
             take = min(self._part_size - self._part.tell(), view.nbytes)
             self._part.write(view[:take])
             view = view[take:]
@@ -469,10 +475,7 @@ class MultipartUpload:
     async def _settle(self) -> None:
         """On one lane: cancel this upload's part requests running there and wait until they have stopped."""
         loop = asyncio.get_running_loop()
-        tasks = [task for task in list(self._running) if task.get_loop() is loop]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel([task for task in list(self._running) if task.get_loop() is loop])
 
     def _release(self) -> None:
         for part in [self._part, *self._spare, *(part for _, part in self._inflight)]:
