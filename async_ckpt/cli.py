@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -141,7 +142,18 @@ def _source_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _require_extra(extra: str, modules: tuple[str, ...]) -> None:
+    """Refuse a command whose optional packages are missing, naming the install that adds them."""
+    from async_ckpt.errors import UsageError
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"this command needs {', '.join(missing)}, which is not installed: "
+                         f"pip install 'async_ckpt[{extra}]'")
+
+
 def _demo(args: argparse.Namespace) -> int:
+    _require_extra("example", ("transformers", "tokenizers"))
     from async_ckpt.demo import run_demo
 
     run_demo(args.dir, steps=args.steps, save_every=args.save_every, size=args.size)
@@ -149,7 +161,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks.save_bench import config_from_args, run
+    _require_extra("bench", ("transformers", "tokenizers", "psutil", "matplotlib", "boto3", "moto"))
+    from async_ckpt.bench.save_bench import config_from_args, run
 
     run(config_from_args(args))
     return EXIT_OK
@@ -166,6 +179,8 @@ def _root_args(parser: argparse.ArgumentParser, json_flag: bool = True, tag_verb
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from async_ckpt.bench.save_bench import add_arguments as bench_arguments
+
     parser = argparse.ArgumentParser(prog="async-ckpt", description="Non-blocking DeepSpeed checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small GPT on 2 CPU ranks, save asynchronously, resume")
@@ -211,13 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="fsspec options for --out as JSON (default: the source's options)")
     universal.add_argument("--workers", type=int, default=2, help="ds_to_universal worker processes (default 2)")
     universal.set_defaults(func=_to_universal)
-    try:
-        from benchmarks.save_bench import add_arguments
-    except ImportError:  # installed without the source tree's benchmarks package
-        return parser
     bench = sub.add_parser("bench", help="save stall, time to durable and slowdown vs stock DeepSpeed, "
                                          "DCP async_save and the hardware floors")
-    add_arguments(bench)
+    bench_arguments(bench)
     bench.set_defaults(func=_bench)
     return parser
 

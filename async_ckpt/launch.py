@@ -1,5 +1,8 @@
 """A persistent group of local ranks for demos, benchmarks and tests.
 
+It ships in the package because ``async-ckpt demo`` and ``async-ckpt bench`` start their ranks with
+it at run time; the test suite uses it too.
+
 Starting a DeepSpeed rank costs seconds (process start, ``init_distributed``, imports), so the
 group starts its processes once and then runs any number of picklable functions on every rank.
 If one rank fails while the others wait in a collective, the whole group is torn down and the

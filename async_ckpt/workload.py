@@ -2,7 +2,8 @@
 
 Everything is built locally and deterministically (random-init model from a config, tokenizer
 trained on an embedded text), so runs need no network and two runs of the same steps give
-bitwise the same losses.
+bitwise the same losses. It ships in the package because ``async-ckpt demo`` and ``async-ckpt bench``
+train it at run time (with the ``example`` extra: transformers, tokenizers).
 """
 
 from __future__ import annotations

@@ -1,12 +1,25 @@
-"""Shared fixtures: a group of 2 real DeepSpeed ranks (gloo, CPU), started once per test module."""
+"""Shared fixtures: a group of 2 real DeepSpeed ranks (gloo, CPU), started once per test module.
+
+Each test run gets a temporary folder of its own, set as ``TMPDIR`` before anything starts, so the
+checkpointer's scratch and shadow folders, the caches and every rank's temporary files of this run
+are apart from those of any other job on the machine (tests that look for leaks count only this
+run's), and DeepSpeed's JIT-built CPU op is built into that folder too (``TORCH_EXTENSIONS_DIR``):
+a shared build folder lets another environment's half-built op be loaded. Removed at the end.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
+RUN_DIR = tempfile.mkdtemp(prefix="async_ckpt_tests_")
+os.environ["TMPDIR"] = RUN_DIR
+os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(RUN_DIR, "torch_extensions")
+tempfile.tempdir = None  # recomputed from TMPDIR on next use
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))  # rank tasks import tests' helper modules by name
 
@@ -19,6 +32,10 @@ if not os.environ.get("ASYNC_CKPT_TEST_S3_ENDPOINT"):
     for key, value in DUMMY_ENV.items():  # ranks inherit these: credentials from the standard AWS environment
         os.environ.setdefault(key, value)
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
 class Ranks:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmarks.methods import METHODS
-from benchmarks.save_bench import BenchConfig, run
+from async_ckpt.bench.methods import METHODS
+from async_ckpt.bench.save_bench import BenchConfig, run
 
 METRICS = {"stall_s", "durable_s", "persist_gbps", "persist_vs_floor", "stall_vs_copy_floor", "bytes_per_save",
            "slowdown_while_persisting"}
@@ -58,7 +58,7 @@ def test_bench_writes_the_timeline_png(bench):
 
 
 def test_s3_transfer_compares_both_clients_in_both_directions_at_each_concurrency(tmp_path):
-    from benchmarks.s3_transfer import CONCURRENCY, main as transfer_main
+    from async_ckpt.bench.s3_transfer import CONCURRENCY, main as transfer_main
 
     out = tmp_path / "transfer.json"
     assert transfer_main(["--mib", "8", "--part-mib", "5", "--repeats", "1", "--json", str(out)]) == 0
@@ -70,7 +70,7 @@ def test_s3_transfer_compares_both_clients_in_both_directions_at_each_concurrenc
 
 
 def test_s3_transfer_against_the_null_server_measures_uploads_only(tmp_path):
-    from benchmarks.s3_transfer import main as transfer_main
+    from async_ckpt.bench.s3_transfer import main as transfer_main
 
     out = tmp_path / "null.json"
     assert transfer_main(["--server", "null", "--mib", "8", "--part-mib", "5", "--repeats", "1",
@@ -81,7 +81,7 @@ def test_s3_transfer_against_the_null_server_measures_uploads_only(tmp_path):
 
 
 def test_s3_transfer_runs_over_https_against_moto_tls(tmp_path):
-    from benchmarks.s3_transfer import main as transfer_main
+    from async_ckpt.bench.s3_transfer import main as transfer_main
 
     out = tmp_path / "tls.json"
     assert transfer_main(["--server", "moto-tls", "--mib", "8", "--part-mib", "5", "--repeats", "1",

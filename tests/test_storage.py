@@ -18,7 +18,7 @@ from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage.local import DirectWriter, _open_direct
 from async_ckpt.storage.s3 import S3Storage
 from async_ckpt.storage.retry import RetryPolicy
-from benchmarks.s3_transfer import server_process
+from async_ckpt.bench.s3_transfer import server_process
 from s3_server import FaultProxy, options
 
 STATE = {"weights": torch.arange(1_000_003, dtype=torch.float32), "step": 7, "nested": [torch.ones(3, 5)]}

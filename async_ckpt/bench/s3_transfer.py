@@ -6,12 +6,12 @@ best counts; async_ckpt's default (8) is reported too. Each object is deleted on
 the server's memory stays flat.
 
 ``--server moto`` (default, when no ``--endpoint``) starts a moto server on 127.0.0.1 in a process
-of its own (``moto-tls``: the same over https, as real S3 is); ``--server null`` starts :mod:`benchmarks.null_s3`, which drops what it receives, so
+of its own (``moto-tls``: the same over https, as real S3 is); ``--server null`` starts :mod:`async_ckpt.bench.null_s3`, which drops what it receives, so
 the client is the bottleneck (uploads only).
 
-    python -m benchmarks.s3_transfer --mib 256 --repeats 5
-    python -m benchmarks.s3_transfer --server moto-tls --mib 256 --repeats 5
-    python -m benchmarks.s3_transfer --server null --mib 512 --repeats 5
+    python -m async_ckpt.bench.s3_transfer --mib 256 --repeats 5
+    python -m async_ckpt.bench.s3_transfer --server moto-tls --mib 256 --repeats 5
+    python -m async_ckpt.bench.s3_transfer --server null --mib 512 --repeats 5
 """
 
 from __future__ import annotations
@@ -108,11 +108,11 @@ def server_process(kind: str) -> Iterator[str]:
 
     port = free_port()
     endpoint = f"{'https' if kind == 'moto-tls' else 'http'}://127.0.0.1:{port}"
-    module, probe = ("benchmarks.null_s3", "/") if kind == "null" else ("moto.server", "/moto-api/")
+    module, probe = ("async_ckpt.bench.null_s3", "/") if kind == "null" else ("moto.server", "/moto-api/")
     args = {"moto": ["-H", "127.0.0.1", "-p", str(port)], "moto-tls": ["-H", "127.0.0.1", "-p", str(port), "-s"],
             "null": ["--port", str(port)]}[kind]
     server = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                              stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -1,6 +1,6 @@
 """Save benchmark: every way of saving the same DeepSpeed ZeRO state, side by side in one run.
 
-Run ``async-ckpt bench`` (or ``python -m benchmarks.save_bench``); ``--quick`` for a smoke run,
+Run ``async-ckpt bench`` (or ``python -m async_ckpt.bench.save_bench``); ``--quick`` for a smoke run,
 ``--target s3`` for an embedded moto S3 server on 127.0.0.1 (or ``--url``/``--endpoint``).
 Methods run one after the other on the same engine and steps, so ratios hold on a noisy machine.
 """
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from async_ckpt.workload import SIZES
-from benchmarks.methods import METHODS
+from async_ckpt.bench.methods import METHODS
 
 ALL_METHODS = list(METHODS)
 
@@ -61,7 +61,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     import torch.distributed as dist
 
     from async_ckpt import workload
-    from benchmarks import floors
+    from async_ckpt.bench import floors
 
     rank = dist.get_rank()
     proc = psutil.Process()
@@ -159,7 +159,7 @@ def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
 def run(cfg: BenchConfig) -> dict:
     """Run the benchmark; write ``results.json``, ``timeline.png`` and print the table."""
     from async_ckpt.launch import RankGroup
-    from benchmarks.report import summarize, table, timeline_png
+    from async_ckpt.bench.report import summarize, table, timeline_png
 
     unknown = set(cfg.methods) - set(METHODS)
     if unknown:
@@ -231,7 +231,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.save_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m async_ckpt.bench.save_bench", description=__doc__)
     add_arguments(parser)
     run(config_from_args(parser.parse_args(argv)))
     return 0

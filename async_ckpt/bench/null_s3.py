@@ -5,7 +5,7 @@ Against this endpoint the client is the bottleneck, so ``s3_transfer --server nu
 client's ceiling: what its signing, checksums and copies allow per byte. Uploads only (nothing
 is stored to download).
 
-    python -m benchmarks.null_s3 --port 9000
+    python -m async_ckpt.bench.null_s3 --port 9000
 """
 
 from __future__ import annotations
