@@ -21,3 +21,13 @@ def test_every_config_field_is_documented():
 
     doc = CheckpointConfig.__doc__ or ""
     assert [f.name for f in fields(CheckpointConfig) if f"{f.name}:" not in doc] == []
+
+
+def test_the_readme_gives_exactly_two_setup_commands_and_ci_runs_the_test_one():
+    commands = runpy.run_path(os.path.join(ROOT, ".ci", "readme_command.py"))["setup_commands"]
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        found = commands(fh.read())
+    assert found["test"].endswith("python -m pytest") and found["demo"].endswith("async-ckpt demo")
+    assert all("torch==2.13.0" in command for command in found.values())
+    with open(os.path.join(ROOT, ".ci", "run")) as fh:
+        assert 'python3 .ci/readme_command.py test' in fh.read()

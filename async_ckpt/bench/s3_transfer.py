@@ -172,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if not verify:
             import warnings
 
-            import urllib3
-
-            warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+            warnings.filterwarnings("ignore", message="Unverified HTTPS request")  # urllib3's, for boto3
         endpoint = args.endpoint or stack.enter_context(server_process(args.server))
         if not null:
             import boto3
