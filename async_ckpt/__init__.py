@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.errors import (AsyncCkptError, CheckpointerClosedError, CheckpointNotFoundError, ConfigError,
-                               ConversionError, InvalidTagError, NotCommittedError, SaveFailedError, StorageError,
-                               TagExistsError, UsageError, VerificationError)
+                               ConversionError, CorruptManifestError, InvalidTagError, NotCommittedError,
+                               SaveFailedError, StorageError, TagExistsError, UsageError, VerificationError,
+                               WaitTimeoutError)
 from async_ckpt.handle import SaveHandle, SaveResult
 
 __version__ = "0.1.0"
@@ -29,7 +30,7 @@ __all__ = [
     "wrap", "AsyncCheckpointer", "CheckpointConfig", "SaveHandle", "SaveResult",
     "AsyncCkptError", "ConfigError", "InvalidTagError", "TagExistsError", "StorageError", "SaveFailedError",
     "CheckpointNotFoundError", "NotCommittedError", "VerificationError", "CheckpointerClosedError", "UsageError",
-    "ConversionError",
+    "ConversionError", "CorruptManifestError", "WaitTimeoutError",
 ]
 
 

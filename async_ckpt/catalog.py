@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from async_ckpt.errors import CorruptManifestError
 from async_ckpt.layout import LATEST, MANIFEST, MARKER_DIR, manifest_path
 from async_ckpt.manifest import Manifest
 from async_ckpt.storage.base import Storage
@@ -13,10 +14,16 @@ from async_ckpt.storage.base import Storage
 class TagInfo:
     tag: str
     manifest: Manifest | None
+    #: Why the tag's manifest could not be read (a corrupt tag: never loaded, collected by gc).
+    error: str | None = None
 
     @property
     def committed(self) -> bool:
         return self.manifest is not None
+
+    @property
+    def state(self) -> str:
+        return "committed" if self.committed else "corrupt" if self.error else "incomplete"
 
 
 def read_latest(storage: Storage, name: str = LATEST) -> str | None:
@@ -28,11 +35,29 @@ def read_latest(storage: Storage, name: str = LATEST) -> str | None:
     return text or None
 
 
-def read_manifest(storage: Storage, tag: str) -> Manifest | None:
+def inspect_latest(storage: Storage, name: str = LATEST) -> tuple[str | None, str | None]:
+    """``(tag latest names, None)``, or ``(None, why)`` when the file exists but cannot be read.
+
+    An unreadable ``latest`` (permissions, a folder in its place, not text) must not hide the
+    committed tags: the manifests, not ``latest``, say what is committed. Errors of the whole root
+    (a missing bucket, wrong credentials) still propagate.
+    """
     try:
-        return Manifest.from_json(storage.read_bytes(manifest_path(tag)))
+        return read_latest(storage, name), None
+    except (PermissionError, IsADirectoryError, NotADirectoryError, UnicodeDecodeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def read_manifest(storage: Storage, tag: str) -> Manifest | None:
+    """The tag's manifest, ``None`` if it has none; :class:`CorruptManifestError` naming the file if unreadable."""
+    try:
+        raw = storage.read_bytes(manifest_path(tag))
     except FileNotFoundError:
         return None
+    try:
+        return Manifest.from_json(raw)
+    except CorruptManifestError as exc:
+        raise CorruptManifestError(f"{storage.url}/{manifest_path(tag)}: {exc}") from exc
 
 
 def list_tags(storage: Storage) -> list[TagInfo]:
@@ -43,6 +68,9 @@ def list_tags(storage: Storage) -> list[TagInfo]:
             continue
         if not storage.exists(f"{name}/{MANIFEST}") and not storage.list_dir(name):
             continue
-        infos.append(TagInfo(name, read_manifest(storage, name)))
+        try:
+            infos.append(TagInfo(name, read_manifest(storage, name)))
+        except CorruptManifestError as exc:
+            infos.append(TagInfo(name, None, error=str(exc)))
     return sorted(infos, key=lambda i: (i.committed, i.manifest.step if i.manifest else -1,
                                         i.manifest.created_unix if i.manifest else 0.0, i.tag))

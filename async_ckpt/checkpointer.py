@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import deepspeed
 import torch
@@ -28,8 +28,9 @@ from async_ckpt import __version__ as _version
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, SaveFailedError, StorageError,
-                               TagExistsError, UsageError, VerificationError)
+                               TagExistsError, UsageError, VerificationError, WaitTimeoutError)
 from async_ckpt.handle import SaveHandle
+from async_ckpt.handshake import Handshake, job_store
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import manifest_path, validate_tag
 from async_ckpt.pull import PullReport
@@ -39,6 +40,9 @@ from async_ckpt.storage import RetryPolicy, Storage, open_storage
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
 
 logger = logging.getLogger("async_ckpt")
+
+#: How often a long wait for background work logs that it is still waiting.
+_PROGRESS_EVERY_S = 60.0
 
 
 @dataclass
@@ -85,6 +89,7 @@ class AsyncCheckpointer:
         self._errors_lock = threading.Lock()
         self._closed = False
         self.last_fetch: PullReport | None = None
+        self._store = job_store(self.world_size)  # the writer thread's own client of the job's c10d store
         self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
                                         nice=config.writer_nice, exact_bytes=config.exact_bytes,
                                         cache_dir=config.cache_dir, on_done=config.on_save_done)
@@ -106,14 +111,11 @@ class AsyncCheckpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is durable and committed (or failed).
 
-        With ``on_error="raise"`` a failure is raised here; with ``"warn"`` it is logged.
+        With ``on_error="raise"`` a failure is raised here; with ``"warn"`` it is logged. Waits at
+        most ``timeout`` seconds (default ``wait_timeout_s``), then raises :class:`WaitTimeoutError`.
         """
         self._ensure_open()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for handle in list(self._handles):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            handle.exception(remaining)
-        self._handles = [h for h in self._handles if not h.done()]
+        self._await_handles(self.config.wait_timeout_s if timeout is None else timeout)
         self._surface_errors()
 
     def load(self, tag: str | None = None, *, fallback: bool = False, load_optimizer_states: bool = True,
@@ -171,12 +173,19 @@ class AsyncCheckpointer:
         return manifest.tag, client_state or {}
 
     def close(self) -> None:
-        """Finish pending saves, stop the writer thread and give the engine its own checkpoint engine back."""
+        """Finish pending saves, stop the writer thread and give the engine its own checkpoint engine back.
+
+        Waits at most ``wait_timeout_s`` for pending saves (then raises :class:`WaitTimeoutError`;
+        the engine is given back all the same).
+        """
         if self._closed:
             return
         try:
             self._await_staging()
-            self._writer.close()
+            self._writer.stop()
+            self._await_handles(self.config.wait_timeout_s)
+            self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
+                          "the background writer thread to stop", self.config.wait_timeout_s)
         finally:
             self._closed = True
             self._pool.close()
@@ -234,6 +243,7 @@ class AsyncCheckpointer:
         handle = SaveHandle(tag=tag, url=storage.url)
         job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=self.rank, world_size=self.world_size,
                       files=files, ticket=self._staging, handle=handle, save_latest=save_latest,
+                      handshake=Handshake(self._store, save_id, self.rank, self.world_size),
                       keep_last=self.config.keep_last, keep_every=self.config.keep_every,
                       metadata=self._metadata(),
                       extras_dir=self._save_extras(save_id))
@@ -326,11 +336,36 @@ class AsyncCheckpointer:
         if job is None or job.buffers_free.is_set():
             return 0.0
         started = time.perf_counter()
-        job.buffers_free.wait()
+        self._bounded(job.buffers_free.wait, job.tag, "the previous save to finish writing (save() reuses its "
+                      "staging buffers)", self.config.wait_timeout_s)
         waited = time.perf_counter() - started
         logger.warning("save() waited %.2f s for the previous save (%s) to finish writing; saves are more "
                        "frequent than storage can absorb", waited, job.tag)
         return waited
+
+    def _await_handles(self, timeout_s: float) -> None:
+        """Every save so far committed or failed, within ``timeout_s`` in all."""
+        deadline = time.monotonic() + timeout_s
+        for handle in list(self._handles):
+            self._bounded(handle.wait, handle.tag, "the save to commit", max(0.0, deadline - time.monotonic()))
+        self._handles = [h for h in self._handles if not h.done()]
+
+    def _bounded(self, done: Callable[[float], bool], tag: str, what: str, timeout_s: float) -> None:
+        """Call ``done(slice)`` until it returns true; log every minute; :class:`WaitTimeoutError` after ``timeout_s``.
+
+        A rank stuck here is usually waiting for a peer or for slow storage, so the log says which
+        tag, for how long, and when the wait gives up.
+        """
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while not done(max(0.0, min(_PROGRESS_EVERY_S, deadline - time.monotonic()))):
+            waited = time.monotonic() - started
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"rank {self.rank}: waited {waited:.0f} s for {what} (tag {tag!r} to "
+                                       f"{self.storage.url}) and gave up. The write or its commit is stuck: check "
+                                       "the other ranks and the storage; raise wait_timeout_s if it is only slow")
+            logger.warning("rank %d: still waiting for %s (tag %s) after %.0f s; giving up after %.0f s",
+                           self.rank, what, tag, waited, timeout_s)
 
     def _engine_save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None,
                                 save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:

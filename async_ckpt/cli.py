@@ -38,35 +38,44 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from async_ckpt.catalog import list_tags, read_latest
+    from async_ckpt.catalog import inspect_latest, list_tags
 
     storage = _storage(args)
-    latest = read_latest(storage)
+    latest, latest_error = inspect_latest(storage)
     rows = []
     for info in list_tags(storage):
         m = info.manifest
-        rows.append({"tag": info.tag, "committed": info.committed, "latest": info.tag == latest,
+        rows.append({"tag": info.tag, "state": info.state, "committed": info.committed, "error": info.error,
+                     "latest": info.tag == latest,
                      "step": m.step if m else None, "bytes": m.total_bytes if m else None,
                      "world_size": m.world_size if m else None, "zero_stage": m.zero_stage if m else None,
                      "dtype": m.dtype if m else None,
                      "time": datetime.fromtimestamp(m.created_unix, timezone.utc).isoformat() if m else None})
     lines = [f"{'tag':<24} {'state':<11} {'step':>7} {'GB':>8} {'ranks':>5} {'zero':>4} {'dtype':<5} time (UTC)"]
     for r in rows:
-        state = "committed" if r["committed"] else "incomplete"
+        state = r["state"]
         lines.append(f"{r['tag'] + (' *' if r['latest'] else ''):<24} {state:<11} {r['step'] if r['step'] is not None else '-':>7} "
                      f"{(r['bytes'] or 0) / 1e9:>8.3f} {r['world_size'] or '-':>5} {r['zero_stage'] if r['zero_stage'] is not None else '-':>4} "
                      f"{r['dtype'] or '-':<5} {(r['time'] or '-')[:19]}")
-    lines.append(f"(* = latest: {latest})" if latest else "(no 'latest' file)")
-    _emit(args, {"url": storage.url, "latest": latest, "tags": rows}, "\n".join(lines))
+    lines += [f"{r['tag']}: corrupt: {r['error']}" for r in rows if r["error"]]
+    lines.append(f"(* = latest: {latest})" if latest else f"('latest' cannot be read: {latest_error})"
+                 if latest_error else "(no 'latest' file)")
+    _emit(args, {"url": storage.url, "latest": latest, "latest_error": latest_error, "tags": rows},
+          "\n".join(lines))
     return EXIT_OK
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from async_ckpt.errors import CorruptManifestError
     from async_ckpt.resume import resolve
     from async_ckpt.verify import verify_tag
 
     storage = _storage(args)
-    manifest = resolve(storage, args.tag)
+    try:
+        manifest = resolve(storage, args.tag)
+    except CorruptManifestError as exc:
+        _emit(args, {"url": storage.url, "tag": args.tag, "ok": False, "error": str(exc)}, f"BAD  {exc}")
+        return EXIT_FAILED
     checks = verify_tag(storage, manifest)
     bad = [c for c in checks if not c.ok]
     lines = [f"{'ok' if c.ok else 'BAD':<4} {c.path}" + (f"  ({c.problem})" if c.problem else "") for c in checks]
@@ -82,6 +91,7 @@ def _gc(args: argparse.Namespace) -> int:
     report = collect_garbage(_storage(args), grace_s=args.grace_s, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     text = "\n".join([f"{verb} {len(report.incomplete_tags)} incomplete tag(s): {report.incomplete_tags}",
+                      f"{verb} {len(report.corrupt_tags)} corrupt tag(s): {report.corrupt_tags}",
                       f"{verb} {len(report.partial_files)} partial file(s): {report.partial_files}",
                       f"{verb} {len(report.marker_dirs)} leftover commit-marker folder(s)",
                       f"{'would abort' if args.dry_run else 'aborted'} {len(report.aborted_uploads)} multipart "

@@ -1,111 +1,134 @@
-"""Commit: a tag becomes visible only once every rank's files are durable.
+"""Commit: a tag becomes visible only once every rank's files are durable, and once visible it stays whole.
 
-Ranks coordinate through the storage itself, never through the training process group (a
-collective from a background thread deadlocks against the training loop's own collectives):
+The ranks agree through the job's c10d store (:mod:`async_ckpt.handshake`), never through the
+training process group and never by polling the storage:
 
-1. each rank, once its files are durable, publishes ``{tag}/.async_ckpt/{save_id}/rank-N.json``
-   listing its files (or ``rank-N.failed.json`` with the cause);
-2. rank 0 waits for all markers, then writes the tokenizer, the recovery scripts, the manifest
-   (the commit record) and, last, ``latest`` — each one atomically;
-3. the other ranks wait for that manifest (or any failure marker) to learn the outcome.
+1. each rank, once its files are durable, reports their sizes and CRC-32s (or its failure);
+2. rank 0 waits for every report, writes the tokenizer and DeepSpeed's recovery scripts, takes the
+   ``commit`` decision and writes the manifest: the tag is committed exactly when the manifest exists;
+3. after the manifest rank 0 writes ``latest`` and applies retention. These may fail without
+   un-committing anything: the save is reported committed, with a warning naming what failed;
+4. rank 0 publishes the outcome, which the other ranks wait for.
 
-The ``save_id`` is fresh for every save, so markers left by an earlier attempt at the same tag
-can never complete a later one.
+No rank deletes files of a tag that may still commit. A rank deletes its own files of a failed tag
+only when the outcome says no manifest can appear (the ``abort`` decision was taken); otherwise,
+e.g. after the job's store went away, the files stay and ``async-ckpt gc`` removes them once the
+grace period has passed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import time
-from typing import Callable
 
-import deepspeed
-
-from async_ckpt.catalog import list_tags, read_latest
-from async_ckpt.errors import SaveFailedError
+from async_ckpt.catalog import list_tags, read_latest, read_manifest
+from async_ckpt.handshake import ABORT, COMMIT, HandshakeFailed, HandshakeTimeout, Outcome
 from async_ckpt.job import SaveJob
-from async_ckpt.layout import LATEST, RECOVERY_SCRIPTS, manifest_path, marker_prefix, rank_marker
-from async_ckpt.manifest import FileEntry, Manifest, decode_entries, encode_entries
+from async_ckpt.layout import LATEST, MARKER_DIR, installed_recovery_scripts, manifest_path
+from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.serialization import copy_local_file
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
 
-_POLL_START_S = 0.01
-_POLL_MAX_S = 0.5
 
+def report_failure(job: SaveJob, error: str) -> None:
+    """This rank could not write its files: fail the tag on every rank.
 
-def publish_rank(job: SaveJob, entries: list[FileEntry]) -> None:
-    job.storage.write_bytes(rank_marker(job.tag, job.save_id, job.rank), encode_entries(entries))
-
-
-def publish_failure(job: SaveJob, exc: BaseException) -> None:
-    """Best effort: tell the other ranks this tag failed here, so they fail it too."""
-    payload = json.dumps({"rank": job.rank, "error": f"{type(exc).__name__}: {exc}"}).encode()
-    try:
-        job.storage.write_bytes(rank_marker(job.tag, job.save_id, job.rank, failed=True), payload)
-    except Exception as marker_exc:  # the storage itself may be what failed
-        logger.debug("could not publish the failure marker of tag %s: %s", job.tag, marker_exc)
-
-
-def _poll(deadline: float, check: Callable[[], object | None], what: str) -> object:
-    delay = _POLL_START_S
-    while True:
-        outcome = check()
-        if outcome is not None:
-            return outcome
-        if time.monotonic() > deadline:
-            raise SaveFailedError(what)
-        time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX_S)
-
-
-def _failure_in(job: SaveJob, names: list[str]) -> SaveFailedError | None:
-    for name in names:
-        if name.endswith(".failed.json"):
-            path = f"{marker_prefix(job.tag, job.save_id)}/{name}"
-            try:
-                detail = json.loads(job.storage.read_bytes(path))
-                cause = f"rank {detail['rank']}: {detail['error']}"
-            except Exception:
-                cause = name
-            return SaveFailedError(f"tag {job.tag!r} failed on {cause}", tag=job.tag)
-    return None
-
-
-def await_commit(job: SaveJob, timeout_s: float) -> Manifest:
-    """Block until the tag is committed (rank 0 commits it) or failed anywhere."""
+    Rank 0 decides ``abort`` and publishes the outcome at once; another rank's report wakes rank 0,
+    which then does the same. Either way no manifest can appear, so this rank may delete its files.
+    """
+    job.handshake.report(error=error)
     if job.rank == 0:
-        return _gather_and_commit(job, timeout_s)
-    return _await_manifest(job, 2 * timeout_s)
+        _publish(job, _abort(job, f"rank 0: {error}"))
 
 
-def _gather_and_commit(job: SaveJob, timeout_s: float) -> Manifest:
-    prefix = marker_prefix(job.tag, job.save_id)
-    expected = {f"rank-{r:05d}.json" for r in range(job.world_size)}
-
-    def check() -> list[str] | None:
-        names = job.storage.list_dir(prefix)
-        failure = _failure_in(job, names)
-        if failure is not None:
-            raise failure
-        return names if expected.issubset(names) else None
-
-    missing_msg = (f"tag {job.tag!r}: not every rank finished writing within {timeout_s:.0f} s "
-                   "(a rank crashed or its storage stalled); raise commit_timeout_s if writes are slow")
-    _poll(time.monotonic() + timeout_s, check, missing_msg)
-    entries: list[FileEntry] = []
-    for rank in range(job.world_size):
-        entries.extend(decode_entries(job.storage.read_bytes(rank_marker(job.tag, job.save_id, rank))))
-    return _commit(job, entries)
-
-
-def _commit(job: SaveJob, entries: list[FileEntry]) -> Manifest:
+def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
+    """This rank's files are durable: take part in the commit and return the outcome all ranks agree on."""
+    job.handshake.report(entries=entries)
+    if job.rank != 0:
+        return _await_outcome(job, 2 * timeout_s)  # rank 0 waits up to timeout_s for the others, then commits
+    try:
+        entries = job.handshake.gather(timeout_s)
+    except HandshakeFailed as exc:
+        return _publish(job, _abort(job, f"tag {job.tag!r} failed on {exc}"))
+    try:
+        entries += _write_extras(job)
+    except Exception as exc:
+        return _publish(job, _abort(job, f"rank 0 could not write the tokenizer or DeepSpeed's recovery scripts: "
+                                         f"{type(exc).__name__}: {exc}"))
+    if job.handshake.decide(COMMIT) != COMMIT:
+        return _publish(job, Outcome(False, f"tag {job.tag!r}: a rank gave up waiting before rank 0 could commit "
+                                            "(raise commit_timeout_s if the writes are this slow)", cleanup=True))
     started = time.perf_counter()
-    storage = job.storage
+    manifest = _manifest(job, entries)
+    try:
+        job.storage.write_bytes(manifest_path(job.tag), manifest.to_json())
+    except Exception as exc:
+        if not _committed(job):
+            return _publish(job, Outcome(False, f"tag {job.tag!r}: rank 0 could not write the manifest: "
+                                                f"{type(exc).__name__}: {exc}. The tag's files stay for "
+                                                "`async-ckpt gc`"))
+    job.handle.metrics["commit_s"] = time.perf_counter() - started
+    return _publish(job, Outcome(True, warnings=_after_commit(job)))
+
+
+def _abort(job: SaveJob, error: str) -> Outcome:
+    """Rank 0 gives the tag up (only rank 0 ever decides ``commit``, so ``abort`` holds)."""
+    job.handshake.decide(ABORT)
+    return Outcome(False, error, cleanup=True)
+
+
+def _publish(job: SaveJob, outcome: Outcome) -> Outcome:
+    try:
+        job.handshake.publish(outcome)
+    except Exception as exc:  # the job's store is gone: the other ranks time out and check the manifest
+        logger.warning("rank 0 could not publish the outcome of tag %s to the other ranks: %s", job.tag, exc)
+    return outcome
+
+
+def _await_outcome(job: SaveJob, timeout_s: float) -> Outcome:
+    """Rank 0's verdict. If it does not come in time, abort the tag, unless rank 0 already decided to
+    commit it: then wait as long again for the outcome, and failing that, ask the storage."""
+    try:
+        return job.handshake.await_outcome(timeout_s)
+    except HandshakeTimeout as exc:
+        waited = str(exc)
+    try:
+        decision = job.handshake.decide(ABORT)
+    except Exception:  # the store is gone: only the storage can tell
+        decision = None
+    if decision == ABORT:
+        return Outcome(False, f"tag {job.tag!r}: rank {job.rank} gave up: {waited}", cleanup=True)
+    if decision == COMMIT:
+        logger.warning("rank %d: %s, but rank 0 is committing tag %s; waiting up to %.0f s more", job.rank, waited,
+                       job.tag, timeout_s)
+        try:
+            return job.handshake.await_outcome(timeout_s)
+        except HandshakeTimeout as exc:
+            waited = str(exc)
+    if _committed(job):
+        return Outcome(True, warnings=[f"rank {job.rank} did not hear rank 0's outcome ({waited}); "
+                                       "the manifest shows the tag committed"])
+    return Outcome(False, f"tag {job.tag!r}: rank {job.rank} did not learn the outcome ({waited}) and no manifest "
+                          "exists yet; this rank's files stay for `async-ckpt gc`")
+
+
+def _committed(job: SaveJob) -> bool:
+    """Whether this save's manifest exists (one read): the ground truth when the store cannot answer."""
+    try:
+        manifest = read_manifest(job.storage, job.tag)
+    except Exception as exc:
+        logger.warning("rank %d could not read the manifest of tag %s: %s", job.rank, job.tag, exc)
+        return False
+    return manifest is not None and manifest.save_id == job.save_id
+
+
+def _write_extras(job: SaveJob) -> list[FileEntry]:
+    """Rank 0's tokenizer and model config into the tag, DeepSpeed's recovery scripts into the root."""
+    storage, entries = job.storage, []
     if job.extras_dir:
         for root, _, names in os.walk(job.extras_dir):
             for name in sorted(names):
@@ -113,15 +136,18 @@ def _commit(job: SaveJob, entries: list[FileEntry]) -> Manifest:
                 rel = os.path.relpath(local, job.extras_dir).replace(os.sep, "/")
                 entries.append(copy_local_file(storage, f"{job.tag}/{rel}", local, tag_dir=job.tag, rank=0))
         shutil.rmtree(job.extras_dir, ignore_errors=True)
-    scripts_dir = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
-    for script in RECOVERY_SCRIPTS:
-        with open(os.path.join(scripts_dir, script), "rb") as fh:
+    for script, path in installed_recovery_scripts().items():
+        with open(path, "rb") as fh:
             storage.write_bytes(script, fh.read())
         local_root = storage.local_dir()
         if local_root:
-            path = os.path.join(local_root, script)
-            os.chmod(path, os.stat(path).st_mode | 0o111)
-    manifest = Manifest(
+            target = os.path.join(local_root, script)
+            os.chmod(target, os.stat(target).st_mode | 0o111)
+    return entries
+
+
+def _manifest(job: SaveJob, entries: list[FileEntry]) -> Manifest:
+    return Manifest(
         tag=job.tag,
         step=int(job.metadata.get("step", 0)),
         world_size=job.world_size,
@@ -132,35 +158,34 @@ def _commit(job: SaveJob, entries: list[FileEntry]) -> Manifest:
         timings={k: round(float(v), 6) for k, v in job.handle.metrics.items() if k.endswith("_s")},
         created_unix=time.time(),
         save_id=job.save_id,
+        sets_latest=job.save_latest,
     )
-    storage.write_bytes(manifest_path(job.tag), manifest.to_json())
+
+
+def _after_commit(job: SaveJob) -> list[str]:
+    """``latest``, scratch removal and retention: each may fail; none of them un-commits the tag."""
+    storage, warnings = job.storage, []
     if job.save_latest:
-        storage.write_bytes(LATEST, job.tag.encode())
-    job.handle.metrics["commit_s"] = time.perf_counter() - started
-    try:
-        storage.delete(marker_prefix(job.tag, job.save_id).rsplit("/", 1)[0], recursive=True)
-    except Exception as exc:
-        logger.debug("could not remove commit markers of %s: %s", job.tag, exc)
-    if job.keep_last:
-        apply_retention(storage, job.tag, job.keep_last, job.keep_every)
-    return manifest
-
-
-def _await_manifest(job: SaveJob, timeout_s: float) -> Manifest:
-    prefix = marker_prefix(job.tag, job.save_id)
-
-    def check() -> Manifest | None:
-        failure = _failure_in(job, job.storage.list_dir(prefix))
-        if failure is not None:
-            raise failure
         try:
-            manifest = Manifest.from_json(job.storage.read_bytes(manifest_path(job.tag)))
-        except FileNotFoundError:
-            return None
-        return manifest if manifest.save_id == job.save_id else None
-
-    return _poll(time.monotonic() + timeout_s, check,
-                 f"tag {job.tag!r}: rank 0 did not commit within {timeout_s:.0f} s")  # type: ignore[return-value]
+            storage.write_bytes(LATEST, job.tag.encode())
+        except Exception as exc:
+            warnings.append(f"could not write 'latest' ({type(exc).__name__}: {exc}); load() still resumes "
+                            f"from {job.tag}, the newest committed tag")
+    scratch = f"{job.tag}/{MARKER_DIR}"
+    if storage.local_dir() is not None and storage.exists(scratch):
+        try:
+            storage.delete(scratch, recursive=True)
+        except Exception as exc:
+            logger.debug("could not remove %s: %s", scratch, exc)
+    if job.keep_last:
+        try:
+            apply_retention(storage, job.tag, job.keep_last, job.keep_every)
+        except Exception as exc:
+            warnings.append(f"retention (keep_last={job.keep_last}) failed ({type(exc).__name__}: {exc}); "
+                            "older tags stay until the next save's retention")
+    for warning in warnings:
+        logger.warning("tag %s is committed, but %s", job.tag, warning)
+    return warnings
 
 
 def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: int | None = None) -> list[str]:

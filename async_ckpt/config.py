@@ -47,7 +47,13 @@ class CheckpointConfig:
             (about 3x the time to durable here, see benchmarks/RESULTS.md).
         direct_io: write local files with O_DIRECT where the filesystem supports it (faster for
             large files: no page-cache copy); falls back to buffered writes elsewhere.
-        commit_timeout_s: how long a rank waits for the other ranks' files before the save fails.
+        commit_timeout_s: how long rank 0 waits for every rank's files before the save fails (the
+            other ranks wait up to twice this for rank 0's outcome).
+        wait_timeout_s: the longest any call waits for background work: ``save()`` for the
+            previous save to free the staging buffers, ``wait()`` and ``close()`` for pending
+            saves (``wait(timeout=...)`` overrides it). Exceeded, they raise
+            :class:`~async_ckpt.WaitTimeoutError` naming the rank, the tag and what was awaited.
+            The default outlasts a commit that times out (``2 * commit_timeout_s``).
         part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum).
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
         upload_threads: threads (each an event loop with its own client) that share the parts of
@@ -76,6 +82,7 @@ class CheckpointConfig:
     direct_io: bool = True
     exact_bytes: bool = False
     commit_timeout_s: float = 1800.0
+    wait_timeout_s: float = 4000.0
     part_size: int = 16 * MiB
     max_concurrency: int = 8
     upload_threads: int = 4
@@ -95,30 +102,42 @@ class CheckpointConfig:
             object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
-        if self.keep_last is not None and (isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int)
-                                           or self.keep_last < 1):
-            raise ConfigError(f"keep_last must be a positive integer or None, got {self.keep_last!r}")
+        if self.keep_last is not None:
+            _integer("keep_last", self.keep_last, 1)
         if self.on_error not in ("warn", "raise"):
             raise ConfigError(f"on_error must be 'warn' or 'raise', got {self.on_error!r}")
-        if not self.commit_timeout_s > 0:
-            raise ConfigError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s!r}")
-        if not isinstance(self.part_size, int) or self.part_size < 5 * MiB:
+        _number("commit_timeout_s", self.commit_timeout_s, minimum=0, exclusive=True)
+        _number("wait_timeout_s", self.wait_timeout_s, minimum=0, exclusive=True)
+        if _integer("part_size", self.part_size) < 5 * MiB:
             raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
-        if not isinstance(self.max_concurrency, int) or not 1 <= self.max_concurrency <= 256:
-            raise ConfigError(f"max_concurrency must be an integer in 1..256, got {self.max_concurrency!r}")
-        if isinstance(self.upload_threads, bool) or not isinstance(self.upload_threads, int) \
-                or not 1 <= self.upload_threads <= 64:
-            raise ConfigError(f"upload_threads must be an integer in 1..64, got {self.upload_threads!r}")
-        if not isinstance(self.retry_attempts, int) or self.retry_attempts < 1:
-            raise ConfigError(f"retry_attempts must be a positive integer, got {self.retry_attempts!r}")
-        if not self.retry_base_delay_s >= 0:
-            raise ConfigError(f"retry_base_delay_s must be >= 0, got {self.retry_base_delay_s!r}")
-        if self.keep_every is not None and (isinstance(self.keep_every, bool) or not isinstance(self.keep_every, int)
-                                            or self.keep_every < 1):
-            raise ConfigError(f"keep_every must be a positive number of steps or None, got {self.keep_every!r}")
-        if not isinstance(self.writer_nice, int) or not 0 <= self.writer_nice <= 19:
-            raise ConfigError(f"writer_nice must be an integer in 0..19, got {self.writer_nice!r}")
+        _integer("max_concurrency", self.max_concurrency, 1, 256)
+        _integer("upload_threads", self.upload_threads, 1, 64)
+        _integer("retry_attempts", self.retry_attempts, 1)
+        _number("retry_base_delay_s", self.retry_base_delay_s, minimum=0)
+        if self.keep_every is not None:
+            _integer("keep_every", self.keep_every, 1)
+        _integer("writer_nice", self.writer_nice, 0, 19)
+        for name in ("overlap_copy", "fsync", "direct_io", "exact_bytes", "verify_on_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.on_save_done is not None and not callable(self.on_save_done):
             raise ConfigError(f"on_save_done must be a callable taking the SaveHandle, got {self.on_save_done!r}")
-        if not self.cache_dir:
-            raise ConfigError("cache_dir must be a folder path")
+        if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir):
+            raise ConfigError(f"cache_dir must be a folder path, got {self.cache_dir!r}")
+
+
+def _integer(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) within the bounds; else :class:`ConfigError` naming the field."""
+    bounds = (f" in {minimum}..{maximum}" if maximum is not None else f" >= {minimum}" if minimum is not None else "")
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum) \
+            or (maximum is not None and value > maximum):
+        raise ConfigError(f"{name} must be an integer{bounds}, got {value!r}")
+    return value
+
+
+def _number(name: str, value: Any, *, minimum: float, exclusive: bool = False) -> float:
+    """``value`` if it is a real number (not a bool) above ``minimum``; else :class:`ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or (value <= minimum if exclusive else value < minimum):
+        raise ConfigError(f"{name} must be a number {'>' if exclusive else '>='} {minimum:g}, got {value!r}")
+    return float(value)

@@ -47,6 +47,16 @@ class VerificationError(AsyncCkptError):
     """A file's size or checksum does not match the manifest."""
 
 
+class CorruptManifestError(VerificationError):
+    """A tag's manifest cannot be read (not JSON, not a manifest): the tag counts as corrupt, never committed."""
+
+
+class WaitTimeoutError(AsyncCkptError, TimeoutError):
+    """A bounded wait ran out (``save()`` for the previous save, ``wait()``, ``close()``); the message
+    names the rank, the tag and what was awaited. Raise ``CheckpointConfig.wait_timeout_s`` if the
+    storage is merely slow."""
+
+
 class CheckpointerClosedError(AsyncCkptError, RuntimeError):
     """The checkpointer was closed; create a new one with ``async_ckpt.wrap``."""
 

@@ -1,6 +1,7 @@
 """Garbage collection: what crashed or failed saves leave behind, removed once it is surely dead.
 
-Left behind by a crash can be: tag folders without a manifest (a save that never committed),
+Left behind by a crash can be: tag folders without a manifest (a save that never committed) or
+with one that cannot be read (a corrupt tag, which is never loaded),
 ``.partial`` files (a write cut off mid-file), commit markers, and on S3 multipart uploads that
 were never completed or aborted (their parts are stored, and billed, until aborted). Anything
 younger than the grace period may belong to a save still in progress and is left alone.
@@ -24,14 +25,23 @@ logger = logging.getLogger("async_ckpt")
 class GcReport:
     dry_run: bool
     incomplete_tags: list[str] = field(default_factory=list)
+    corrupt_tags: list[str] = field(default_factory=list)
     partial_files: list[str] = field(default_factory=list)
     marker_dirs: list[str] = field(default_factory=list)
     aborted_uploads: list[str] = field(default_factory=list)
 
 
 def _newest_mtime(storage: Storage, relpath: str) -> float:
+    """The newest time of anything under ``relpath``. A folder without files yet (a save that has
+    just begun) counts with its own time, or as new where the store keeps none: never as old."""
     times = [storage.modified(p) for p in storage.iter_files(relpath)]
-    return max(times) if times else 0.0
+    if times:
+        return max(times)
+    try:
+        created = storage.modified(relpath)
+    except (OSError, KeyError):
+        created = 0.0
+    return created if created > 0 else time.time()
 
 
 def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool = False) -> GcReport:
@@ -41,7 +51,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     for info in list_tags(storage):
         if not info.committed:
             if _newest_mtime(storage, info.tag) < cutoff:
-                report.incomplete_tags.append(info.tag)
+                (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
                 if not dry_run:
                     storage.delete(info.tag, recursive=True)
             continue
@@ -60,7 +70,8 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             report.aborted_uploads.append(key)
             if not dry_run:
                 storage.abort_upload(key, upload_id)
-    logger.info("gc %s%s: %d incomplete tag(s), %d partial file(s), %d marker folder(s), %d upload(s)",
-                storage.url, " (dry run)" if dry_run else "", len(report.incomplete_tags), len(report.partial_files),
+    logger.info("gc %s%s: %d incomplete tag(s), %d corrupt tag(s), %d partial file(s), %d marker folder(s), "
+                "%d upload(s)", storage.url, " (dry run)" if dry_run else "", len(report.incomplete_tags),
+                len(report.corrupt_tags), len(report.partial_files),
                 len(report.marker_dirs), len(report.aborted_uploads))
     return report

@@ -17,6 +17,9 @@ class SaveResult:
     stall_s: float
     persist_s: float
     commit_s: float
+    #: Work after the commit that failed (writing ``latest``, retention), one line each. The tag is
+    #: committed and loads regardless; each warning was also logged.
+    warnings: tuple[str, ...] = ()
 
     @property
     def persist_gbps(self) -> float:
@@ -40,6 +43,14 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until committed or failed, at most ``timeout`` seconds; return :meth:`done`."""
+        try:
+            self._future.exception(timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Block until committed; re-raise the background failure (:class:`SaveFailedError`)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_ckpt.handle import SaveHandle
+from async_ckpt.handshake import Handshake
 from async_ckpt.staging import CopyTicket, StagedFile
 from async_ckpt.storage.base import Storage
 
@@ -22,6 +23,7 @@ class SaveJob:
     files: list[StagedFile]
     ticket: CopyTicket
     handle: SaveHandle
+    handshake: Handshake
     save_latest: bool
     keep_last: int | None
     keep_every: int | None

@@ -7,6 +7,7 @@ patterns: temporary files end in ``.partial``, bookkeeping lives under ``.async_
 
 from __future__ import annotations
 
+import os
 import re
 
 from async_ckpt.errors import InvalidTagError
@@ -41,14 +42,16 @@ def validate_tag(tag: object) -> str:
     return text
 
 
-def marker_prefix(tag: str, save_id: str) -> str:
-    """Folder holding the per-rank completion markers of one save attempt."""
-    return f"{tag}/{MARKER_DIR}/{save_id}"
+def installed_recovery_scripts() -> dict[str, str]:
+    """Of DeepSpeed's recovery scripts, those the installed release ships: name -> local path.
 
+    ``zero_to_fp32.py`` is in every supported release; ``zero_to_torch.py`` only from 0.19.7 on.
+    """
+    import deepspeed
 
-def rank_marker(tag: str, save_id: str, rank: int, *, failed: bool = False) -> str:
-    suffix = ".failed.json" if failed else ".json"
-    return f"{marker_prefix(tag, save_id)}/rank-{rank:05d}{suffix}"
+    folder = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
+    return {name: os.path.join(folder, name) for name in RECOVERY_SCRIPTS
+            if os.path.isfile(os.path.join(folder, name))}
 
 
 def manifest_path(tag: str) -> str:

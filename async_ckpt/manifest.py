@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from async_ckpt.errors import CorruptManifestError
+
 FORMAT = "async_ckpt/1"
 
 
@@ -42,6 +44,9 @@ class Manifest:
     save_id: str = ""
     #: DeepSpeed's universal format (``ds_to_universal`` output): loads on any number of ranks.
     universal: bool = False
+    #: False for ``save_checkpoint(..., save_latest=False)``: the save did not move ``latest`` on
+    #: purpose, so a newer such tag never makes ``latest`` look stale to ``load()``.
+    sets_latest: bool = True
     format: str = FORMAT
 
     @property
@@ -56,11 +61,16 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "Manifest":
-        data = json.loads(raw)
-        if data.get("format") != FORMAT:
-            raise ValueError(f"unknown manifest format {data.get('format')!r} (expected {FORMAT!r})")
-        data["files"] = [FileEntry.from_dict(f) for f in data["files"]]
-        return cls(**data)
+        """Parse a manifest; :class:`CorruptManifestError` if it is not one (bit rot, a hand edit)."""
+        try:
+            data = json.loads(raw)
+            found = data.get("format") if isinstance(data, dict) else None
+            if found != FORMAT:
+                raise ValueError(f"unknown manifest format {found!r} (expected {FORMAT!r})")
+            data["files"] = [FileEntry.from_dict(f) for f in data["files"]]
+            return cls(**data)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+            raise CorruptManifestError(f"not a valid async_ckpt manifest: {type(exc).__name__}: {exc}") from exc
 
 
 def encode_entries(entries: list[FileEntry]) -> bytes:

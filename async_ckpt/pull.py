@@ -21,10 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import deepspeed
-
 from async_ckpt.errors import UsageError, VerificationError
-from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank
+from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank, installed_recovery_scripts
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
 from async_ckpt.verify import check_local_file
@@ -121,8 +119,11 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     with open(os.path.join(tag_dir, MANIFEST), "wb") as fh:
         fh.write(manifest.to_json())
     for script in RECOVERY_SCRIPTS:
+        content = _recovery_script(storage, script)
+        if content is None:
+            continue
         with open(os.path.join(dest, script), "wb") as fh:
-            fh.write(_recovery_script(storage, script))
+            fh.write(content)
         os.chmod(os.path.join(dest, script), 0o755)
     with open(os.path.join(dest, LATEST_UNIVERSAL if manifest.universal else LATEST), "w") as fh:
         fh.write(manifest.tag)
@@ -132,12 +133,15 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     return report
 
 
-def _recovery_script(storage: Storage, name: str) -> bytes:
-    """The script saved with the checkpoint, else the installed DeepSpeed's copy."""
+def _recovery_script(storage: Storage, name: str) -> bytes | None:
+    """The script saved with the checkpoint, else the installed DeepSpeed's copy, else ``None``."""
     try:
         return storage.read_bytes(name)
     except FileNotFoundError:
-        with open(os.path.join(os.path.dirname(deepspeed.__file__), "utils", name), "rb") as fh:
+        local = installed_recovery_scripts().get(name)
+        if local is None:
+            return None
+        with open(local, "rb") as fh:
             return fh.read()
 
 

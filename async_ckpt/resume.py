@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 
-from async_ckpt.catalog import list_tags, read_latest, read_manifest
+from async_ckpt.catalog import inspect_latest, list_tags, read_manifest
 from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
 from async_ckpt.manifest import Manifest
@@ -24,12 +24,19 @@ logger = logging.getLogger("async_ckpt")
 
 
 def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Manifest:
-    """The manifest of ``tag``, refusing uncommitted tags.
+    """The manifest of ``tag``, refusing uncommitted and corrupt tags.
 
-    With ``tag=None``: the tag ``latest`` names, unless a crash left ``latest`` missing, naming a
-    tag that is gone or uncommitted, or behind a newer committed tag (the job stopped between the
-    manifest and the ``latest`` write). Then the newest committed tag is chosen, and the log says
-    which and why. With ``universal``, the same among universal tags, by ``latest_universal``.
+    With ``tag=None``, the rule (each choice is logged when it is not simply ``latest``):
+
+    - the tag ``latest`` names, if it is committed and no newer committed tag was saved to move
+      ``latest`` (a newer one means the job stopped between that tag's manifest and its ``latest``
+      write: ``latest`` is stale, and the newer tag is taken). Tags saved with
+      ``save_latest=False`` never make ``latest`` stale: they are resumed only when named;
+    - if ``latest`` is missing, unreadable or names a tag that is gone, uncommitted or corrupt: the
+      newest committed tag that moved ``latest`` (else the newest committed tag);
+    - tags whose manifest cannot be read are skipped with a warning naming them.
+
+    With ``universal``, the same among universal tags, by ``latest_universal``.
     """
     if tag is not None:
         tag = validate_tag(tag)
@@ -43,25 +50,36 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
         known = [t.tag for t in list_tags(storage) if t.committed]
         raise CheckpointNotFoundError(f"tag {tag!r} not found at {storage.url}; committed tags: {known or 'none'}")
     latest_name = LATEST_UNIVERSAL if universal else LATEST
-    latest = read_latest(storage, latest_name)
-    committed = [t for t in list_tags(storage) if t.committed and t.manifest.universal == universal]
-    newest = committed[-1].manifest if committed else None
-    named = next((t.manifest for t in committed if t.tag == latest), None)
+    latest, unreadable = inspect_latest(storage, latest_name)
+    infos = list_tags(storage)
+    for info in infos:
+        if info.error:
+            logger.warning("skipping corrupt tag %s: %s (`async-ckpt gc` removes it after the grace period)",
+                           info.tag, info.error)
+    committed = [t.manifest for t in infos if t.committed and t.manifest.universal == universal]
+    moved_latest = [m for m in committed if m.sets_latest]
+    newest = moved_latest[-1] if moved_latest else committed[-1] if committed else None
+    named = next((m for m in committed if m.tag == latest), None)
     if named is not None and (newest is None or newest.tag == named.tag or newest.step <= named.step):
         return named
     if newest is None:
         kind = "universal checkpoint" if universal else "checkpoint"
-        why = f"there is no {latest_name!r} file" if latest is None else f"{latest_name!r} names {latest!r}, which is not committed"
+        why = (f"{latest_name!r} cannot be read ({unreadable})" if unreadable else
+               f"there is no {latest_name!r} file" if latest is None else
+               f"{latest_name!r} names {latest!r}, which is not committed")
         raise CheckpointNotFoundError(f"no committed {kind} at {storage.url}: {why}. Check the URL"
                                       + (" or convert a checkpoint with `async-ckpt to-universal`" if universal else ""))
-    if latest is None:
+    if unreadable:
+        why = f"{latest_name!r} cannot be read ({unreadable})"
+    elif latest is None:
         why = f"{latest_name!r} is missing"
     elif named is None:
-        why = f"{latest_name!r} names {latest!r}, which is missing or was never committed"
+        why = f"{latest_name!r} names {latest!r}, which is missing, corrupt or was never committed"
     else:
-        why = f"{latest_name!r} names {latest!r} (step {named.step}) but a newer tag is committed"
-    logger.warning("resuming from %s (step %d), the newest committed tag at %s: %s (a save or the job was "
-                   "interrupted before 'latest' was written)", newest.tag, newest.step, storage.url, why)
+        why = (f"{latest_name!r} names {latest!r} (step {named.step}) but a newer tag is committed (the job stopped "
+               "before writing 'latest')")
+    logger.warning("resuming from %s (step %d), the newest committed tag at %s: %s", newest.tag, newest.step,
+                   storage.url, why)
     return newest
 
 

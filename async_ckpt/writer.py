@@ -18,6 +18,7 @@ from typing import Callable
 from async_ckpt import commit
 from async_ckpt.errors import SaveFailedError
 from async_ckpt.handle import SaveHandle, SaveResult
+from async_ckpt.handshake import Outcome, brief
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import MARKER_DIR
 from async_ckpt.manifest import FileEntry
@@ -53,10 +54,14 @@ class BackgroundWriter:
     def submit(self, job: SaveJob) -> None:
         self._queue.put(job)
 
-    def close(self) -> None:
-        """Finish the queued saves, then stop and join the thread."""
+    def stop(self) -> None:
+        """Let the thread finish the queued saves, then end; :meth:`join` waits for that."""
         self._queue.put(None)
-        self._thread.join()
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end; return whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
@@ -87,22 +92,42 @@ class BackgroundWriter:
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)
             metrics["upload_buffer_peak_bytes"] = job.storage.upload_buffer_peak_bytes
-            current = "the commit"
-            commit.publish_rank(job, written)
-            manifest = commit.await_commit(job, self._commit_timeout_s)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
             job.release_buffers()
-            self._fail(job, exc, written, current)
+            error = self._write_error(job, exc, current)
+            try:
+                commit.report_failure(job, str(error))
+            except Exception as store_exc:  # without a report no rank can commit the tag either
+                logger.debug("could not report the failure of tag %s: %s", job.tag, store_exc)
+            self._acknowledge(job)
+            self._fail(job, error, written, cleanup=True)
+            return
+        try:
+            outcome = commit.commit(job, written, self._commit_timeout_s)
+        except Exception as exc:  # the job's store failed mid-handshake: the outcome is unknown
+            outcome = Outcome(False, f"tag {job.tag!r}: the commit handshake through the job's c10d store failed on "
+                                     f"rank {job.rank} ({brief(exc)}); this rank's files stay for `async-ckpt gc`")
+        self._acknowledge(job)
+        if not outcome.committed:
+            self._fail(job, SaveFailedError(f"{outcome.error}. The previous checkpoint and 'latest' are unchanged.",
+                                            tag=job.tag), written, cleanup=outcome.cleanup)
             return
         metrics["durable_s"] = time.perf_counter() - job.started
         result = SaveResult(tag=job.tag, url=job.storage.url, bytes_written=metrics["bytes_written"],
                             stall_s=metrics.get("stall_s", 0.0), persist_s=metrics["persist_s"],
-                            commit_s=metrics.get("commit_s", 0.0))
+                            commit_s=metrics.get("commit_s", 0.0), warnings=tuple(outcome.warnings))
         if job.rank == 0:
-            logger.info("saved %s to %s: %.3f GB total, stall %.3f s, persist %.2f s (%.2f GB/s on rank 0), "
-                        "durable after %.2f s", job.tag, job.storage.url, manifest.total_bytes / 1e9,
+            logger.info("saved %s to %s: %.3f GB on rank 0, stall %.3f s, persist %.2f s (%.2f GB/s on rank 0), "
+                        "durable after %.2f s", job.tag, job.storage.url, result.bytes_written / 1e9,
                         result.stall_s, result.persist_s, result.persist_gbps, metrics["durable_s"])
         job.handle._succeed(result)
+
+    @staticmethod
+    def _acknowledge(job: SaveJob) -> None:
+        try:
+            job.handshake.acknowledge()
+        except Exception as exc:  # only the store's bookkeeping: the outcome is already known
+            logger.debug("could not acknowledge the outcome of tag %s: %s", job.tag, exc)
 
     def _scratch_dir(self, job: SaveJob) -> str | None:
         """Where byte-exact serialization writes first: next to the tag on local/NFS roots (one
@@ -114,21 +139,20 @@ class BackgroundWriter:
             return os.path.join(local, job.tag, MARKER_DIR, f"scratch-rank{job.rank}")
         return os.path.join(self._cache_dir, "scratch")
 
-    def _fail(self, job: SaveJob, exc: BaseException, written: list[FileEntry], current: str) -> None:
-        commit.publish_failure(job, exc)
-        for entry in written:  # best effort: the tag failed, its files are garbage
+    def _write_error(self, job: SaveJob, exc: BaseException, current: str) -> SaveFailedError:
+        error = SaveFailedError(
+            f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} during {current}: "
+            f"{type(exc).__name__}: {exc}. The previous checkpoint and 'latest' are unchanged.", tag=job.tag)
+        error.__cause__ = exc
+        return error
+
+    def _fail(self, job: SaveJob, error: SaveFailedError, written: list[FileEntry], *, cleanup: bool) -> None:
+        """Resolve the handle with ``error``; remove this rank's files of the tag if no manifest can appear."""
+        for entry in written if cleanup else []:
             try:
                 job.storage.delete(f"{job.tag}/{entry.path}")
             except Exception as cleanup_exc:
                 logger.debug("could not remove %s: %s", entry.path, cleanup_exc)
-        if isinstance(exc, SaveFailedError):
-            error = exc
-        else:
-            error = SaveFailedError(
-                f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} during {current}: "
-                f"{type(exc).__name__}: {exc}. The previous checkpoint and 'latest' are unchanged.",
-                tag=job.tag)
-            error.__cause__ = exc
         logger.error("%s", error)
         job.handle._fail(error)
         self._on_failure(error)

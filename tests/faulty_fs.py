@@ -5,7 +5,7 @@ Registered as ``faulty://`` inside the rank processes. ``storage_options``:
 default all), ``gate_match`` (gate only paths containing this, default ``.pt.``), ``fail_ranks`` (ranks whose
 writes of ``*.pt`` files fail), ``fail_errno`` (the error they get: ``ENOSPC`` by default, ``EIO``, ``EACCES``...),
 ``fail_after_bytes`` (bytes of each such file written before the failure, default 0), ``latency_s`` (sleep
-before every write of a ``*.pt`` file, on every rank).
+before every write of a ``*.pt`` file, on every rank), ``fail_rm`` (deletions of paths containing this fail: permission denied).
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ class FaultyFileSystem(LocalFileSystem):
     protocol = ("faulty",)
 
     def __init__(self, gate: str | None = None, gate_ranks=None, gate_match: str = ".pt.", fail_ranks=(),
-                 fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, **kwargs) -> None:
+                 fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, fail_rm: str | None = None,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
+        self.fail_rm = fail_rm
         self.fail_errno = fail_errno
         self.fail_after_bytes = fail_after_bytes
         self.latency_s = latency_s
@@ -74,6 +76,14 @@ class FaultyFileSystem(LocalFileSystem):
     def _strip_protocol(cls, path):
         path = path[len("faulty://"):] if str(path).startswith("faulty://") else path
         return super()._strip_protocol(path)
+
+    def rm(self, path, *args, **kwargs):
+        if self.fail_rm and self.fail_rm in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
+        return super().rm(path, *args, **kwargs)
+
+    def rm_file(self, path):
+        self.rm(path)
 
     def open(self, path, mode="rb", **kwargs):
         stream = super().open(path, mode, **kwargs)

@@ -152,9 +152,9 @@ def commit_waits_for_every_rank(root: str, gate: str) -> dict:
     seen: dict = {}
     if _rank() == 0:
         deadline = time.monotonic() + 60
-        while not glob.glob(f"{root}/first/.async_ckpt/*/rank-00000.json") and time.monotonic() < deadline:
+        while not glob.glob(f"{root}/first/zero_pp_rank_0_*_optim_states.pt") and time.monotonic() < deadline:
             time.sleep(0.01)
-        seen["rank0_durable"] = bool(glob.glob(f"{root}/first/.async_ckpt/*/rank-00000.json"))
+        seen["rank0_durable"] = bool(glob.glob(f"{root}/first/zero_pp_rank_0_*_optim_states.pt"))
         seen["latest_before"] = os.path.exists(f"{root}/latest")
         seen["manifest_before"] = os.path.exists(f"{root}/first/async_ckpt_manifest.json")
         seen["tokenizer_before"] = os.path.exists(f"{root}/first/tokenizer.json")

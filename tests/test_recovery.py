@@ -18,7 +18,7 @@ def test_load_picks_the_newest_committed_tag_when_latest_is_wrong(recovered, cas
 
 
 WHY = {"stale_latest": "'latest' names 'older' (step 1) but a newer tag is committed",
-       "dangling_latest": "'latest' names 'deleted-tag', which is missing or was never committed",
+       "dangling_latest": "'latest' names 'deleted-tag', which is missing, corrupt or was never committed",
        "missing_latest": "'latest' is missing"}
 
 

@@ -1,0 +1,115 @@
+"""Rank tasks for the commit-protocol tests: post-commit faults, save_latest=False, stuck saves, corrupt manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import torch.distributed as dist
+
+import async_ckpt
+from async_ckpt import workload
+from async_ckpt.catalog import read_manifest
+from async_ckpt.storage import open_storage
+from async_ckpt.verify import verify_tag
+from rank_tasks import _outcome, _rank, _tokens, async_ckpt_log
+
+
+def _engine():
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    return engine
+
+
+def _tag_state(root: str, tag: str) -> dict:
+    """What a tag looks like on disk: committed?, its files, whether every file matches the manifest."""
+    storage = open_storage(root)
+    manifest = read_manifest(storage, tag)
+    files = sorted(n for n in os.listdir(os.path.join(root, tag)) if n.endswith(".pt"))
+    return {"committed": manifest is not None, "files": files,
+            "verified": manifest is not None and all(c.ok for c in verify_tag(storage, manifest))}
+
+
+def post_commit_failure(root: str, fault: str) -> dict:
+    """Tag 'a' commits; then writing 'latest' (fault='latest') or retention (fault='retention') fails for 'b'."""
+    from faulty_fs import register
+
+    register()
+    engine = _engine()
+    url = root if fault == "latest" else f"faulty://{root}"
+    options = {"fail_rm": "async_ckpt_manifest.json"} if fault == "retention" else None
+    with async_ckpt.wrap(engine, url, storage_options=options, keep_last=1 if fault == "retention" else None) as ckpt:
+        ckpt.save(tag="a").result(timeout=120)
+        dist.barrier()
+        if _rank() == 0 and fault == "latest":  # a folder where the file was: 'latest' can be neither written nor read
+            os.remove(os.path.join(root, "latest"))
+            os.makedirs(os.path.join(root, "latest", "blocker"))
+        dist.barrier()
+        workload.train(engine, 1, _tokens(), _rank())
+        handle = ckpt.save(tag="b")
+        error = _outcome(lambda: handle.result(timeout=120))
+        warnings = list(handle.result().warnings) if error is None else []
+        dist.barrier()
+        with async_ckpt_log() as log:
+            loaded = ckpt.load()[0]
+    return {"error": error, "warnings": warnings, "b": _tag_state(root, "b"), "a_kept": os.path.isdir(f"{root}/a"),
+            "loaded": loaded, "load_log": [line for line in log if "resuming from" in line]}
+
+
+def save_latest_false_then_load(root: str) -> dict:
+    """engine.save_checkpoint(save_latest=False) after a normal save: load() resumes what 'latest' names."""
+    engine = _engine()
+    with async_ckpt.wrap(engine, root) as ckpt:
+        ckpt.save(tag="a")
+        workload.train(engine, 1, _tokens(), _rank())
+        engine.save_checkpoint(root, tag="b", save_latest=False)
+        ckpt.wait()
+        manifest = read_manifest(open_storage(root), "b")
+        loaded = ckpt.load()[0]
+    return {"latest": open(f"{root}/latest").read(), "b_committed": manifest is not None,
+            "b_sets_latest": manifest.sets_latest, "loaded": loaded}
+
+
+def stuck_previous_save(root: str, gate: str) -> dict:
+    """The first save's write is held: save(), wait() and close() each give up after wait_timeout_s."""
+    from faulty_fs import register
+
+    register()
+    engine = _engine()
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate}, wait_timeout_s=2)
+    first = ckpt.save(tag="first")
+    seen = {"save": _outcome(lambda: ckpt.save(tag="second")),
+            "wait": _outcome(lambda: ckpt.wait(timeout=1)),
+            "close": _outcome(ckpt.close)}
+    seen["engine_given_back"] = "save_checkpoint" not in engine.__dict__
+    dist.barrier()
+    if _rank() == 0:
+        open(gate, "w").close()
+    seen["first_committed"] = first.result(timeout=120).tag
+    deadline = time.monotonic() + 60
+    while any(t.name.startswith("async_ckpt-writer") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen["writer_threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("async_ckpt-writer")]
+    return seen
+
+
+def corrupt_older_manifest(root: str) -> dict:
+    """Tags 'a' then 'b'; 'a''s manifest is then not JSON: load() resumes 'b' and names 'a' as corrupt."""
+    engine = _engine()
+    with async_ckpt.wrap(engine, root) as ckpt:
+        ckpt.save(tag="a")
+        workload.train(engine, 1, _tokens(), _rank())
+        ckpt.save(tag="b")
+        ckpt.wait()
+        dist.barrier()
+        if _rank() == 0:
+            with open(f"{root}/a/async_ckpt_manifest.json", "w") as fh:
+                fh.write("{'not': json")
+        dist.barrier()
+        with async_ckpt_log() as log:
+            loaded = ckpt.load()[0]
+        explicit = _outcome(lambda: ckpt.load("a"))
+    return {"loaded": loaded, "log": [line for line in log if "corrupt" in line], "explicit": explicit,
+            "manifest_b": json.loads(open(f"{root}/b/async_ckpt_manifest.json").read())["tag"]}

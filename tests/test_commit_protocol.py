@@ -1,0 +1,281 @@
+"""The commit protocol: a committed tag is never damaged, every wait is bounded, the handshake scales.
+
+Real DeepSpeed ranks for what a user sees (post-commit faults, ``save_latest=False``, stuck saves,
+corrupt manifests); ranks as threads around the real background writer and commit, sharing one
+store and one storage, for the races between ranks, which need timing no training job controls.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import torch.distributed as dist
+
+import commit_tasks
+from async_ckpt import ConfigError, CorruptManifestError
+from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
+from async_ckpt.cli import main
+from async_ckpt.config import CheckpointConfig
+from async_ckpt.gc import collect_garbage
+from async_ckpt.handle import SaveHandle
+from async_ckpt.handshake import Handshake
+from async_ckpt.job import SaveJob
+from async_ckpt.layout import MANIFEST
+from async_ckpt.manifest import Manifest
+from async_ckpt.staging import CopyTicket, StagedFile
+from async_ckpt.storage import open_storage
+from async_ckpt.writer import BackgroundWriter
+
+# ---------------------------------------------------------------- work after the manifest
+
+
+@pytest.fixture(scope="module", params=["latest", "retention"])
+def post_commit(request, ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"post-commit-{request.param}") / "ckpt"
+    return request.param, str(root), ranks.run(commit_tasks.post_commit_failure, str(root), request.param)
+
+
+def test_a_failure_after_the_manifest_reports_the_save_committed_with_a_warning(post_commit):
+    fault, _, out = post_commit
+    for rank in out:
+        assert rank["error"] is None
+        [warning] = rank["warnings"]
+        assert ("'latest'" if fault == "latest" else "retention") in warning
+
+
+def test_a_failure_after_the_manifest_leaves_every_file_of_the_tag(post_commit):
+    _, _, out = post_commit
+    for rank in out:
+        assert rank["b"] == {"committed": True, "verified": True,
+                             "files": ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                       "zero_pp_rank_1_mp_rank_00_optim_states.pt"]}
+
+
+def test_the_tag_committed_despite_the_failure_is_the_one_load_resumes(post_commit):
+    fault, _, out = post_commit
+    assert [r["loaded"] for r in out] == ["b", "b"]
+    if fault == "latest":
+        assert all("'latest' cannot be read" in r["load_log"][0] for r in out)
+
+
+def test_failed_retention_keeps_the_older_tag(post_commit):
+    fault, _, out = post_commit
+    if fault == "retention":
+        assert [r["a_kept"] for r in out] == [True, True]
+
+
+def test_ls_lists_the_tags_when_latest_cannot_be_read(post_commit, capsys):
+    fault, root, _ = post_commit
+    if fault != "latest":
+        return
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "committed" in out and "b " in out and "'latest' cannot be read" in out
+
+
+# ---------------------------------------------------------------- save_latest=False
+
+
+def test_a_save_with_save_latest_false_is_recorded_and_load_resumes_what_latest_names(ranks, tmp_path):
+    out = ranks.run(commit_tasks.save_latest_false_then_load, str(tmp_path / "ckpt"))
+    for rank in out:
+        assert rank == {"latest": "a", "b_committed": True, "b_sets_latest": False, "loaded": "a"}
+
+
+# ---------------------------------------------------------------- bounded waits
+
+
+@pytest.fixture(scope="module")
+def stuck(ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("stuck")
+    return ranks.run(commit_tasks.stuck_previous_save, str(root / "ckpt"), str(root / "gate"))
+
+
+@pytest.mark.parametrize("call", ["save", "wait", "close"])
+def test_a_stuck_previous_save_makes_the_call_give_up_naming_rank_tag_and_what_it_waited_for(stuck, call):
+    for rank, seen in enumerate(stuck):
+        kind, message = seen[call]
+        assert kind == "WaitTimeoutError"
+        assert f"rank {rank}" in message and "'first'" in message and "wait_timeout_s" in message
+    assert "previous save" in stuck[0]["save"][1]
+
+
+def test_close_gives_the_engine_back_even_when_it_gives_up(stuck):
+    assert [r["engine_given_back"] for r in stuck] == [True, True]
+
+
+def test_the_stuck_save_still_commits_once_storage_moves_and_its_thread_ends(stuck):
+    assert [(r["first_committed"], r["writer_threads_left"]) for r in stuck] == [("first", [])] * 2
+
+
+# ---------------------------------------------------------------- corrupt manifests
+
+
+@pytest.fixture(scope="module")
+def corrupt(ranks, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("corrupt") / "ckpt")
+    return root, ranks.run(commit_tasks.corrupt_older_manifest, root)
+
+
+def test_load_resumes_the_newest_readable_tag_and_logs_the_corrupt_one(corrupt):
+    _, out = corrupt
+    for rank in out:
+        assert rank["loaded"] == "b"
+        assert any("corrupt tag a" in line and "async_ckpt_manifest.json" in line for line in rank["log"])
+
+
+def test_loading_the_corrupt_tag_by_name_is_a_typed_error_naming_the_file(corrupt):
+    _, out = corrupt
+    kind, message = out[0]["explicit"]
+    assert kind == "CorruptManifestError" and "a/async_ckpt_manifest.json" in message
+
+
+def test_ls_shows_the_corrupt_tag_and_still_lists_the_others(corrupt, capsys):
+    root, _ = corrupt
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "corrupt" in out and "committed" in out and "a/async_ckpt_manifest.json" in out
+
+
+def test_verify_of_the_corrupt_tag_names_the_file_and_the_parse_error(corrupt, capsys):
+    root, _ = corrupt
+    assert main(["verify", root, "--tag", "a"]) == 1
+    out = capsys.readouterr().out
+    assert "a/async_ckpt_manifest.json" in out and "JSONDecodeError" in out
+
+
+def test_gc_removes_the_corrupt_tag_only_after_the_grace_period(corrupt):
+    root, _ = corrupt
+    storage = open_storage(root)
+    assert collect_garbage(storage, grace_s=3600).corrupt_tags == []
+    assert collect_garbage(storage, grace_s=0).corrupt_tags == ["a"]
+    assert not os.path.exists(f"{root}/a") and os.path.exists(f"{root}/b/{MANIFEST}")
+
+
+def test_an_unreadable_manifest_raises_a_typed_error():
+    with pytest.raises(CorruptManifestError, match="JSONDecodeError"):
+        Manifest.from_json(b"{'not': json")
+
+
+# ---------------------------------------------------------------- gc grace
+
+
+def test_gc_leaves_a_tag_folder_without_files_alone_during_the_grace_period(tmp_path):
+    os.makedirs(tmp_path / "global_step7" / ".async_ckpt" / "scratch-rank0")
+    storage = open_storage(str(tmp_path))
+    assert collect_garbage(storage, grace_s=3600).incomplete_tags == []
+    assert os.path.isdir(tmp_path / "global_step7")
+
+
+# ---------------------------------------------------------------- configuration types
+
+
+@pytest.mark.parametrize("field,value", [("max_concurrency", True), ("commit_timeout_s", "60"), ("part_size", 2**24 + 0.5),
+                                         ("overlap_copy", "yes"), ("wait_timeout_s", False), ("retry_attempts", 2.0)])
+def test_configuration_refuses_booleans_and_wrong_types_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        CheckpointConfig(url="/tmp/x", **{field: value})
+
+
+# ---------------------------------------------------------------- races between ranks (thread ranks)
+
+
+def _thread_save(root: str, world_size: int, *, timeout_s: float, delay=lambda rank, name, path: 0.0,
+                 stores=None) -> tuple[list[SaveHandle], dict]:
+    """One save by ``world_size`` background writers (one per thread rank) through a shared store."""
+    store = dist.HashStore() if stores is None else None
+    tag, save_id = "t", uuid.uuid4().hex
+    errors: dict = {}
+    handles, writers = [], []
+    for rank in range(world_size):
+        def before(name, args, rank=rank):
+            time.sleep(delay(rank, name, str(args[0]) if args else ""))
+        storage = CountingStorage(open_storage(root), before=before)
+        handle = SaveHandle(tag=tag, url=root)
+        job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=rank, world_size=world_size,
+                      files=[StagedFile(f"{tag}/rank{rank}.pt", {"rank": rank}, 0)], ticket=CopyTicket([]),
+                      handle=handle, handshake=Handshake(stores[rank] if stores else store, save_id, rank, world_size),
+                      save_latest=True, keep_last=None, keep_every=None, metadata={"step": 1})
+        writer = BackgroundWriter(rank, timeout_s, lambda e, rank=rank: errors.setdefault(rank, e),
+                                  cache_dir=os.path.join(root, ".cache"))
+        writer.submit(job)
+        writer.stop()
+        handles.append(handle)
+        writers.append(writer)
+    for writer in writers:
+        assert writer.join(120), "a writer thread did not end"
+    return handles, errors
+
+
+def _files(root) -> list[str]:
+    return sorted(n for n in os.listdir(os.path.join(root, "t")) if n.endswith(".pt"))
+
+
+def _manifest_held(seconds: float):
+    return lambda rank, name, path: seconds if rank == 0 and name == "write_bytes" and path.endswith(MANIFEST) else 0.0
+
+
+def test_a_peer_whose_wait_runs_out_while_rank_0_writes_the_manifest_reports_the_commit(tmp_path):
+    handles, errors = _thread_save(str(tmp_path), 2, timeout_s=1.0, delay=_manifest_held(2.5))
+    assert errors == {}
+    assert [h.result().tag for h in handles] == ["t", "t"]
+    assert _files(tmp_path) == ["rank0.pt", "rank1.pt"]
+
+
+def test_a_peer_that_gives_up_while_rank_0_is_stuck_committing_keeps_its_files(tmp_path):
+    handles, errors = _thread_save(str(tmp_path), 2, timeout_s=0.3, delay=_manifest_held(2.5))
+    assert handles[0].exception() is None and "stay for `async-ckpt gc`" in str(errors[1])
+    assert _files(tmp_path) == ["rank0.pt", "rank1.pt"]  # the tag rank 0 committed is whole
+    assert os.path.exists(tmp_path / "t" / MANIFEST)
+
+
+def test_rank_0_never_commits_a_tag_a_peer_gave_up_on(tmp_path):
+    slow = lambda rank, name, path: 1.2 if rank != 1 and name == "open_write" else 0.0  # noqa: E731
+    handles, errors = _thread_save(str(tmp_path), 3, timeout_s=0.3, delay=slow)
+    assert sorted(errors) == [0, 1, 2] and "gave up" in str(errors[1])
+    assert not os.path.exists(tmp_path / "t" / MANIFEST)
+    assert _files(tmp_path) == []  # no manifest can appear: every rank removed its files
+
+
+def test_a_rank_whose_write_fails_fails_the_tag_on_every_rank_without_waiting(tmp_path):
+    def fail(rank, name, path):
+        if rank == 1 and name == "open_write":
+            raise OSError(28, "No space left on device (injected)")
+        return 0.0
+    started = time.monotonic()
+    handles, errors = _thread_save(str(tmp_path), 3, timeout_s=60, delay=fail)
+    assert time.monotonic() - started < 30
+    assert sorted(errors) == [0, 1, 2] and all("rank 1" in str(e) and "No space left" in str(e) for e in errors.values())
+    assert not os.path.exists(tmp_path / "t" / MANIFEST) and _files(tmp_path) == []
+
+
+def test_when_the_jobs_store_is_gone_the_save_fails_clearly_instead_of_hanging(tmp_path):
+    server, stores = tcp_stores(2)
+    del server  # the job is being torn down: its store stops answering
+    started = time.monotonic()
+    handles, errors = _thread_save(str(tmp_path), 2, timeout_s=5, stores=stores)
+    assert time.monotonic() - started < 60
+    assert sorted(errors) == [0, 1] and all("c10d store" in str(e) for e in errors.values())
+    assert not os.path.exists(tmp_path / "t" / MANIFEST)
+
+
+def test_the_commit_costs_each_rank_a_number_of_storage_requests_independent_of_the_world_size(tmp_path):
+    counts = {}
+    for world_size in (4, 32):
+        server, stores = tcp_stores(world_size)
+        storage = open_storage(str(tmp_path / f"w{world_size}"))
+        runs = run_save(lambda rank: CountingStorage(storage), stores, "t")
+        assert all(r.outcome.committed for r in runs), [r.error for r in runs]
+        counts[world_size] = (sum(runs[0].requests.values()), max(sum(r.requests.values()) for r in runs[1:]))
+        del server
+    assert counts[4] == counts[32] and counts[4][1] == 0
+
+
+def test_the_handshake_leaves_no_keys_in_the_store(tmp_path):
+    server, stores = tcp_stores(4)
+    runs = run_save(lambda rank: CountingStorage(open_storage(str(tmp_path))), stores, "t")
+    assert all(r.outcome.committed for r in runs)
+    assert [key for key in server.list_keys() if "async_ckpt/" in key] == []
