@@ -81,17 +81,17 @@ def _trainer(output_dir: str, stage: int, *, seed: int, save: bool = True, best_
 @contextlib.contextmanager
 def _slow_commits() -> Iterator[None]:
     """Rank 0 holds every commit COMMIT_DELAY_S after all ranks' data is durable."""
-    original = commit._commit
+    original = commit._write_extras  # the first step of rank 0's commit once every rank reported
 
-    def slow_commit(job, entries):
+    def slow_commit(job):
         time.sleep(COMMIT_DELAY_S)
-        return original(job, entries)
+        return original(job)
 
-    commit._commit = slow_commit
+    commit._write_extras = slow_commit
     try:
         yield
     finally:
-        commit._commit = original
+        commit._write_extras = original
 
 
 def _committed(folder: str) -> bool:
