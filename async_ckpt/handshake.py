@@ -47,7 +47,11 @@ def job_store(world_size: int) -> Any:
     """
     if world_size == 1 or not dist.is_initialized():
         return dist.HashStore()
-    return dist.distributed_c10d._get_default_store().clone()
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError):  # a store type without clients of its own (e.g. a FileStore)
+        return store
 
 
 @dataclass
