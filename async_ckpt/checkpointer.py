@@ -191,6 +191,7 @@ class AsyncCheckpointer:
             self._pool.close()
             for storage in self._storages.values():
                 storage.close()
+            self._store = self._last_job = None  # the store client (and the last job's reference to it) holds a socket
             self.engine.checkpoint_engine = self._previous_engine
             if self.engine.__dict__.get("save_checkpoint") == self._engine_save_checkpoint:
                 del self.engine.save_checkpoint
