@@ -15,22 +15,24 @@ from typing import TYPE_CHECKING, Any
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.errors import (AsyncCkptError, CheckpointerClosedError, CheckpointNotFoundError, ConfigError,
                                ConversionError, CorruptManifestError, InvalidTagError, NotCommittedError,
-                               SaveFailedError, StorageError, TagExistsError, UsageError, VerificationError,
-                               WaitTimeoutError)
+                               SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
+                               VerificationError, WaitTimeoutError)
 from async_ckpt.handle import SaveHandle, SaveResult
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from async_ckpt.checkpointer import AsyncCheckpointer, wrap
+    from async_ckpt.inflight import wait_all
 
-_LAZY = {"wrap": "async_ckpt.checkpointer", "AsyncCheckpointer": "async_ckpt.checkpointer"}
+_LAZY = {"wrap": "async_ckpt.checkpointer", "AsyncCheckpointer": "async_ckpt.checkpointer",
+         "wait_all": "async_ckpt.inflight"}
 
 __all__ = [
-    "wrap", "AsyncCheckpointer", "CheckpointConfig", "SaveHandle", "SaveResult",
+    "wrap", "wait_all", "AsyncCheckpointer", "CheckpointConfig", "SaveHandle", "SaveResult",
     "AsyncCkptError", "ConfigError", "InvalidTagError", "TagExistsError", "StorageError", "SaveFailedError",
     "CheckpointNotFoundError", "NotCommittedError", "VerificationError", "CheckpointerClosedError", "UsageError",
-    "ConversionError", "CorruptManifestError", "WaitTimeoutError",
+    "ConversionError", "CorruptManifestError", "WaitTimeoutError", "TagMismatchError",
 ]
 
 

@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 
 from async_ckpt import __version__ as _version
+from async_ckpt import inflight
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine
-from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, SaveFailedError, StorageError,
-                               TagExistsError, UsageError, VerificationError, WaitTimeoutError)
+from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, SaveFailedError,
+                               StorageError, TagExistsError, TagMismatchError, UsageError, VerificationError,
+                               WaitTimeoutError)
 from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake, job_store
 from async_ckpt.job import SaveJob
@@ -96,6 +98,7 @@ class AsyncCheckpointer:
         self._previous_engine = engine.checkpoint_engine
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint
+        inflight.register(self)
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
 
     # ------------------------------------------------------------------ public API
@@ -188,6 +191,7 @@ class AsyncCheckpointer:
                           "the background writer thread to stop", self.config.wait_timeout_s)
         finally:
             self._closed = True
+            inflight.unregister(self)
             self._pool.close()
             for storage in self._storages.values():
                 storage.close()
@@ -268,7 +272,10 @@ class AsyncCheckpointer:
             dist.all_gather_object(views, (tag, proposal))
         tags = {v[0] for v in views}
         if len(tags) > 1:
-            raise UsageError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on every rank")
+            if self.engine.checkpoint_tag_validation_fail():
+                self.engine._checkpoint_tag_validation(tag)  # DeepSpeed's own check raises its own error
+            raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
+                                   "every rank")
         save_id, committed = views[0][1]
         if committed:
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
@@ -370,12 +377,31 @@ class AsyncCheckpointer:
 
     def _engine_save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None,
                                 save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Stand-in for ``engine.save_checkpoint`` after wrap: the same call, non-blocking."""
+        """Stand-in for ``engine.save_checkpoint`` after wrap: the same call, non-blocking.
+
+        Where DeepSpeed's semantics differ from a committed save, DeepSpeed's hold: an empty
+        ``save_dir`` is its ``ValueError``, and per-rank tags (allowed by ``checkpoint.tag_validation``
+        WARN or IGNORE) are saved by DeepSpeed's own engine, synchronously, and never committed.
+        """
+        if not save_dir:
+            raise ConfigError(f"save_dir must be a non-empty string, got {save_dir!r}")
         key = _normalize(os.fspath(save_dir))
         storage = self._storages.get(key)
         if storage is None:
             storage = self._storages[key] = self._open(os.fspath(save_dir))
-        self._save(storage, None if tag is None else str(tag), client_state, save_latest, exclude_frozen_parameters)
+        try:
+            self._save(storage, None if tag is None else str(tag), client_state, save_latest,
+                       exclude_frozen_parameters)
+        except TagMismatchError as exc:
+            logger.warning("rank %d: %s. checkpoint.tag_validation allows that, so DeepSpeed's own engine saves "
+                           "this tag synchronously; async_ckpt does not commit per-rank tags", self.rank, exc)
+            ours, self.engine.checkpoint_engine = self.engine.checkpoint_engine, self._previous_engine
+            try:
+                type(self.engine).save_checkpoint(self.engine, save_dir, tag, dict(client_state or {}),
+                                                  save_latest=save_latest,
+                                                  exclude_frozen_parameters=exclude_frozen_parameters)
+            finally:
+                self.engine.checkpoint_engine = ours
         return True
 
     def _open(self, url: str) -> Storage:

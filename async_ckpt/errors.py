@@ -65,5 +65,11 @@ class UsageError(AsyncCkptError, RuntimeError):
     """The API was called in a way that cannot work (wrong engine, wrong rank setup...)."""
 
 
+class TagMismatchError(UsageError):
+    """Ranks passed different tags to one save. ``ckpt.save()`` refuses; ``engine.save_checkpoint``
+    under DeepSpeed's ``checkpoint.tag_validation`` WARN/IGNORE saves such per-rank tags as DeepSpeed
+    does (synchronously, never committed), and under FAIL raises DeepSpeed's own AssertionError."""
+
+
 class ConversionError(AsyncCkptError):
     """A DeepSpeed conversion tool (``ds_to_universal``, ``zero_to_fp32``) failed; the message has its output."""

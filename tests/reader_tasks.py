@@ -1,0 +1,88 @@
+"""Rank tasks: code in the same process reads a checkpoint folder right after a non-blocking save."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+
+import async_ckpt
+from async_ckpt import workload
+from rank_tasks import _rank, _tokens
+
+#: Every data-file write sleeps this long, so each save is still in flight when the reader starts.
+SLOW_WRITE_S = 0.5
+
+
+def _slow_checkpointer(root: str):
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    return engine, async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"latency_s": SLOW_WRITE_S})
+
+
+def load_on_a_new_engine_right_after_save(root: str) -> dict:
+    """A second, never-wrapped engine loads the folder right after save() returned."""
+    engine, ckpt = _slow_checkpointer(root)
+    handle = ckpt.save(tag="fresh")
+    in_flight = not handle.done()
+    other = workload.make_engine(2, "fp32", seed=99)
+    path, _ = other.load_checkpoint(root)
+    steps = other.global_steps
+    ckpt.close()
+    return {"in_flight_at_load": in_flight, "loaded": os.path.basename(os.path.normpath(path or "")),
+            "steps": steps, "expected_steps": engine.global_steps}
+
+
+def ds_to_universal_right_after_save(root: str, out: str) -> dict:
+    """DeepSpeed's own converter, called (by its imported main) right after save() returned."""
+    from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal, parse_arguments
+
+    _, ckpt = _slow_checkpointer(root)
+    handle = ckpt.save(tag="convert_me")
+    in_flight = not handle.done()
+    dist.barrier()
+    converted = None
+    if _rank() == 0:
+        argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", f"{root}/convert_me", "--output_folder", out]
+        try:
+            convert_to_universal(parse_arguments())
+        finally:
+            sys.argv = argv
+        converted = sorted(os.listdir(os.path.join(out, "zero")))[:3]
+    dist.barrier()
+    ckpt.close()
+    return {"in_flight_at_convert": in_flight, "converted": converted}
+
+
+def wait_all_right_after_save(root: str) -> dict:
+    """async_ckpt.wait_all() returns once the save in flight is committed."""
+    _, ckpt = _slow_checkpointer(root)
+    handle = ckpt.save(tag="a")
+    in_flight = not handle.done()
+    async_ckpt.wait_all()
+    done = handle.done()
+    ckpt.close()
+    return {"in_flight": in_flight, "done_after_wait_all": done, "latest": open(f"{root}/latest").read()}
+
+
+def per_rank_tags(root: str, mode: str) -> dict:
+    """engine.save_checkpoint with a different tag on each rank, under checkpoint.tag_validation=mode."""
+    import deepspeed
+
+    from rank_tasks import _outcome
+
+    config = workload.ds_config(2, "fp32")
+    config["checkpoint"] = {"tag_validation": mode}
+    model = workload.build_model("tiny")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, root) as ckpt:
+        error = _outcome(lambda: engine.save_checkpoint(root, tag=f"tag-{_rank()}"))
+        api_error = _outcome(lambda: ckpt.save(tag=f"tag-{_rank()}"))
+        empty_dir = _outcome(lambda: engine.save_checkpoint(""))
+    return {"error": error, "api_error": api_error, "empty_dir": empty_dir,
+            "own_tag_files": sorted(os.listdir(f"{root}/tag-{_rank()}")) if os.path.isdir(f"{root}/tag-{_rank()}") else None}

@@ -1,0 +1,59 @@
+"""Readers in the same process see a save once it is committed: loads and DeepSpeed's tools wait for it."""
+
+from __future__ import annotations
+
+import pytest
+
+import reader_tasks
+
+
+def test_a_new_engine_loading_right_after_save_waits_for_the_commit_and_loads_it(ranks, tmp_path):
+    out = ranks.run(reader_tasks.load_on_a_new_engine_right_after_save, str(tmp_path / "ckpt"))
+    for rank in out:
+        assert rank["in_flight_at_load"] is True
+        assert rank["loaded"] == "fresh" and rank["steps"] == rank["expected_steps"]
+
+
+def test_ds_to_universal_right_after_save_waits_for_the_commit(ranks, tmp_path):
+    out = ranks.run(reader_tasks.ds_to_universal_right_after_save, str(tmp_path / "ckpt"), str(tmp_path / "universal"))
+    assert out[0]["in_flight_at_convert"] is True and out[0]["converted"]
+
+
+def test_wait_all_waits_for_every_save_in_flight(ranks, tmp_path):
+    out = ranks.run(reader_tasks.wait_all_right_after_save, str(tmp_path / "ckpt"))
+    for rank in out:
+        assert rank == {"in_flight": True, "done_after_wait_all": True, "latest": "a"}
+
+
+_PER_RANK: dict[str, list] = {}
+
+
+@pytest.fixture(scope="module")
+def per_rank(ranks, tmp_path_factory):
+    """``per_rank(mode)``: each rank saves its own tag under checkpoint.tag_validation=mode (run once per mode)."""
+    def run(mode: str) -> list:
+        if mode not in _PER_RANK:
+            root = tmp_path_factory.mktemp(f"per-rank-{mode}") / "ckpt"
+            _PER_RANK[mode] = ranks.run(reader_tasks.per_rank_tags, str(root), mode)
+        return _PER_RANK[mode]
+    return run
+
+
+@pytest.mark.parametrize("mode", ["WARN", "IGNORE"])
+def test_per_rank_tags_allowed_by_tag_validation_are_saved_as_deepspeed_saves_them(per_rank, mode):
+    for rank, seen in enumerate(per_rank(mode)):
+        assert seen["error"] is None
+        assert f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in seen["own_tag_files"]
+
+
+def test_per_rank_tags_under_tag_validation_fail_raise_deepspeeds_own_assertion(per_rank):
+    assert [seen["error"][0] for seen in per_rank("FAIL")] == ["AssertionError", "AssertionError"]
+
+
+def test_ckpt_save_refuses_per_rank_tags_whatever_tag_validation_says(per_rank):
+    assert [seen["api_error"][0] for seen in per_rank("WARN")] == ["TagMismatchError", "TagMismatchError"]
+
+
+def test_an_empty_save_dir_is_deepspeeds_value_error(per_rank):
+    for seen in per_rank("WARN"):
+        assert seen["empty_dir"][0] == "ConfigError" and "save_dir must be a non-empty string" in seen["empty_dir"][1]
