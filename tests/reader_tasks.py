@@ -33,7 +33,7 @@ def load_on_a_new_engine_right_after_save(root: str) -> dict:
     path, _ = other.load_checkpoint(root)
     steps = other.global_steps
     ckpt.close()
-    return {"in_flight_at_load": in_flight, "loaded": os.path.basename(os.path.normpath(path or "")),
+    return {"in_flight_at_load": in_flight, "loaded": os.path.basename(os.path.dirname(path or "")),
             "steps": steps, "expected_steps": engine.global_steps}
 
 
@@ -47,7 +47,8 @@ def ds_to_universal_right_after_save(root: str, out: str) -> dict:
     dist.barrier()
     converted = None
     if _rank() == 0:
-        argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", f"{root}/convert_me", "--output_folder", out]
+        argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", f"{root}/convert_me", "--output_folder", out,
+                                "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
         try:
             convert_to_universal(parse_arguments())
         finally:
