@@ -158,7 +158,7 @@ def _require_extra(extra: str, modules: tuple[str, ...]) -> None:
 
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
-        raise UsageError(f"this command needs {', '.join(missing)}, which is not installed: "
+        raise UsageError(f"this command needs packages that are not installed ({', '.join(missing)}): "
                          f"pip install 'async_ckpt[{extra}]'")
 
 
