@@ -39,9 +39,8 @@ def per_rank(ranks, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("mode", ["WARN", "IGNORE"])
-def test_per_rank_tags_allowed_by_tag_validation_are_saved_as_deepspeed_saves_them(per_rank, mode):
-    for rank, seen in enumerate(per_rank(mode)):
+def test_per_rank_tags_allowed_by_tag_validation_are_saved_as_deepspeed_saves_them(per_rank):
+    for rank, seen in enumerate(per_rank("WARN")):  # IGNORE takes the same path, without DeepSpeed's warning
         assert seen["error"] is None
         assert f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in seen["own_tag_files"]
 
