@@ -277,9 +277,14 @@ class AsyncCheckpointer:
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
         save_id, committed = views[0][1]
-        if committed:
+        if committed and not self.config.overwrite_tags:
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
-                                 "overwrite a good checkpoint. Use a new tag or delete the old one first")
+                                 "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "
+                                 "overwrite_tags=True to wrap() for DeepSpeed's overwrite semantics")
+        if committed and self.rank == 0:
+            logger.warning("overwriting committed tag %s at %s (overwrite_tags=True): it is uncommitted until this "
+                           "save commits", tag, storage.url)
+            storage.delete(manifest_path(tag))  # uncommit first: a half-overwritten tag is never 'committed'
         return save_id
 
     def _gather(self, value: Any) -> list[Any]:

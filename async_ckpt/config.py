@@ -68,6 +68,12 @@ class CheckpointConfig:
         writer_nice: Linux nice value (0-19) of the background threads. On machines where
             training keeps every core busy (CPU training), a positive value lets training threads
             run first: smaller slowdown, longer time to durable.
+        overwrite_tags: let a save reuse the tag of a committed checkpoint, as DeepSpeed's own
+            ``save_checkpoint`` does. Off by default, deliberately stricter than DeepSpeed: the old
+            tag is uncommitted (its manifest deleted) when the new save starts and its files are
+            overwritten in place, so until the new save commits that tag is gone, and if the save
+            fails it stays gone (``load()`` then takes the newest other committed tag). Off, a
+            reused tag raises :class:`~async_ckpt.TagExistsError` before anything is written.
         on_save_done: called with the :class:`SaveHandle` once a save committed or failed, on
             every rank, from its writer thread: the hook for trackers (TensorBoard, W&B: log
             ``handle.metrics``, usually on rank 0 only). Exceptions it raises are logged and ignored.
@@ -92,6 +98,7 @@ class CheckpointConfig:
     verify_on_load: bool = True
     keep_every: int | None = None
     writer_nice: int = 0
+    overwrite_tags: bool = False
     on_save_done: Callable[["SaveHandle"], None] | None = None
 
     def __post_init__(self) -> None:
@@ -117,7 +124,8 @@ class CheckpointConfig:
         if self.keep_every is not None:
             _integer("keep_every", self.keep_every, 1)
         _integer("writer_nice", self.writer_nice, 0, 19)
-        for name in ("overlap_copy", "fsync", "direct_io", "exact_bytes", "verify_on_load"):
+        for name in ("overlap_copy", "fsync", "direct_io", "exact_bytes", "verify_on_load",
+                     "overwrite_tags"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.on_save_done is not None and not callable(self.on_save_done):

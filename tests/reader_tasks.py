@@ -87,3 +87,22 @@ def per_rank_tags(root: str, mode: str) -> dict:
         empty_dir = _outcome(lambda: engine.save_checkpoint(""))
     return {"error": error, "api_error": api_error, "empty_dir": empty_dir,
             "own_tag_files": sorted(os.listdir(f"{root}/tag-{_rank()}")) if os.path.isdir(f"{root}/tag-{_rank()}") else None}
+
+
+def resave_a_committed_tag(root: str) -> dict:
+    """engine.save_checkpoint of a committed tag: refused by default, DeepSpeed's overwrite with overwrite_tags."""
+    from rank_tasks import _outcome
+
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, root) as strict:
+        strict.save(tag="t").result(timeout=60)
+        refused = _outcome(lambda: engine.save_checkpoint(root, tag="t"))
+    first_steps = engine.global_steps
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, root, overwrite_tags=True):
+        engine.save_checkpoint(root, tag="t")
+        other = workload.make_engine(2, "fp32", seed=99)
+        other.load_checkpoint(root, tag="t")
+    return {"refused": refused, "first_steps": first_steps, "resaved_steps": engine.global_steps,
+            "loaded_steps": other.global_steps, "latest": open(f"{root}/latest").read()}

@@ -56,3 +56,19 @@ def test_ckpt_save_refuses_per_rank_tags_whatever_tag_validation_says(per_rank):
 def test_an_empty_save_dir_is_deepspeeds_value_error(per_rank):
     for seen in per_rank("WARN"):
         assert seen["empty_dir"][0] == "ConfigError" and "save_dir must be a non-empty string" in seen["empty_dir"][1]
+
+
+@pytest.fixture(scope="module")
+def resaved(ranks, tmp_path_factory):
+    return ranks.run(reader_tasks.resave_a_committed_tag, str(tmp_path_factory.mktemp("resave") / "ckpt"))
+
+
+def test_saving_a_committed_tag_again_is_refused_and_names_the_switch(resaved):
+    for seen in resaved:
+        assert seen["refused"][0] == "TagExistsError" and "overwrite_tags=True" in seen["refused"][1]
+
+
+def test_overwrite_tags_lets_a_tag_be_saved_again_as_deepspeed_does(resaved):
+    for seen in resaved:
+        assert seen["resaved_steps"] > seen["first_steps"]
+        assert seen["loaded_steps"] == seen["resaved_steps"] and seen["latest"] == "t"
