@@ -27,7 +27,7 @@ import torch.distributed as dist
 from async_ckpt import __version__ as _version
 from async_ckpt import inflight
 from async_ckpt.config import CheckpointConfig, OnError
-from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine
+from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, SaveFailedError,
                                StorageError, TagExistsError, TagMismatchError, UsageError, VerificationError,
                                WaitTimeoutError)
@@ -237,8 +237,10 @@ class AsyncCheckpointer:
         self._session = _Session(storage)
         entered = time.perf_counter()
         try:
-            type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
-                                              save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+            with deferred_clones():
+                type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
+                                                  save_latest=False,
+                                                  exclude_frozen_parameters=exclude_frozen_parameters)
             files, snapshot_s = self._session.files, self._session.snapshot_s
         finally:
             self._session = None
@@ -328,8 +330,10 @@ class AsyncCheckpointer:
         relpath = os.path.relpath(path, self._shadow).replace(os.sep, "/")
         name = relpath.rsplit("/", 1)[-1]
         defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
+        compact = isinstance(state_dict, CloneRequest)
         started = time.perf_counter()
-        self._session.files.append(self._pool.snapshot(state_dict, relpath, slot_key=name, defer=defer))
+        self._session.files.append(self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
+                                                       slot_key=name, defer=defer, compact=compact))
         self._session.snapshot_s += time.perf_counter() - started
 
     def _before_optimizer_step(self) -> None:

@@ -16,14 +16,19 @@ Two DeepSpeed behaviours are used deliberately:
 * ``preserves_storage_sharing()`` is true, as for DeepSpeed's own Torch engine: the snapshot keeps
   views that share a storage sharing one staged storage (that is what makes the files byte-identical).
   DeepSpeed consults the flag for MoE saves and for pipeline-parallel (``PipelineModule``) layer
-  saves, where it then clones the state first so that each file holds just its own tensors;
-  without the clone such files would carry whole flat buffers. That clone is DeepSpeed's,
-  synchronous, and counts in the stall. Plain ZeRO saves hand their state over uncloned.
+  saves, where it then clones the state first (``clone_tensors_for_torch_save``) so that each file
+  holds just its own tensors. The snapshot copies to host memory anyway, so cloning first would
+  copy everything twice on the training thread: while async_ckpt saves, :func:`deferred_clones`
+  turns DeepSpeed's clone into a :class:`CloneRequest`, and the snapshot stages those tensors
+  compactly instead, exactly as the clone would have laid them out. Should a DeepSpeed release
+  clone through another name, its own clone simply runs: slower, never different.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+import importlib
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -67,3 +72,46 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     def preserves_storage_sharing(self) -> bool:
         return True
+
+
+#: The modules that clone state for storage-sharing engines before ``checkpoint_engine.save``.
+_CLONING_MODULES = ("deepspeed.runtime.engine", "deepspeed.runtime.pipe.module")
+
+
+class CloneRequest:
+    """State DeepSpeed asked to clone to the CPU before saving: the snapshot does that copy instead."""
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+
+
+def _request_clone(item: Any, device: Any = "cpu") -> Any:
+    return CloneRequest(item) if torch.device(device).type == "cpu" else _ORIGINAL_CLONE(item, device)
+
+
+def _original_clone() -> Any:
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    return clone_tensors_for_torch_save
+
+
+_ORIGINAL_CLONE = _original_clone()
+
+
+@contextlib.contextmanager
+def deferred_clones() -> Iterator[None]:
+    """Within this block DeepSpeed's ``clone_tensors_for_torch_save`` returns a :class:`CloneRequest`.
+
+    Only the training thread saves, and only inside this block, so the swap is not seen elsewhere.
+    """
+    swapped = []
+    for name in _CLONING_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "clone_tensors_for_torch_save", None) is _ORIGINAL_CLONE:
+            module.clone_tensors_for_torch_save = _request_clone
+            swapped.append(module)
+    try:
+        yield
+    finally:
+        for module in swapped:
+            module.clone_tensors_for_torch_save = _ORIGINAL_CLONE

@@ -64,8 +64,14 @@ class StagedFile:
 
 @dataclass
 class _Memo:
-    """What one snapshot has staged so far: by tensor identity and by source storage."""
+    """What one snapshot has staged so far: by tensor identity and by source storage.
 
+    ``compact`` snapshots stand in for DeepSpeed's ``clone_tensors_for_torch_save``: every tensor
+    is staged on its own, as a plain tensor laid out as ``clone()`` lays it out, so the file holds
+    just those tensors (not the flat buffers they view), exactly as after DeepSpeed's clone.
+    """
+
+    compact: bool = False
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     storages: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -88,14 +94,17 @@ class StagingPool:
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._slots.values())
 
-    def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool) -> StagedFile:
-        """Copy (or, with ``defer``, plan the copy of) every tensor in ``obj`` into pooled buffers."""
+    def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool, compact: bool = False) -> StagedFile:
+        """Copy (or, with ``defer``, plan the copy of) every tensor in ``obj`` into pooled buffers.
+
+        ``compact`` stages what DeepSpeed's clone before saving would produce (see :class:`_Memo`).
+        """
         pairs: list[CopyPair] = []
-        memo = _Memo()
+        memo = _Memo(compact=compact)
         counter = iter(range(1 << 62))
         with torch.no_grad():
             staged = self._copy_tree(obj, slot_key, counter, memo, pairs, path="")
-        nbytes = sum(dst.numel() for dst, _ in pairs)
+        nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
         result = StagedFile(relpath=relpath, obj=staged, nbytes=nbytes)
         if defer:
             result.deferred = pairs
@@ -172,6 +181,15 @@ class StagingPool:
         return torch.empty(0, dtype=src.dtype).set_(staged.untyped_storage(), src.storage_offset(), src.size(),
                                                     src.stride())
 
+    def _compact_copy(self, src: torch.Tensor, slot_key: str, counter: Any, pairs: list[CopyPair]) -> torch.Tensor:
+        """A host tensor laid out as ``src.detach().clone()`` would be, in a pooled buffer of its own."""
+        layout = torch.empty_like(src, device="meta")  # the strides clone() picks (preserve_format)
+        nbytes = src.numel() * src.element_size()
+        staged = self._buffer_for((slot_key, next(counter)), nbytes, pin=src.device.type == "cuda")
+        dst = torch.empty(0, dtype=src.dtype).set_(staged.untyped_storage(), 0, layout.size(), layout.stride())
+        pairs.append((dst, src.detach()))
+        return dst
+
     @staticmethod
     def _like(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """``dst`` with the type and ``requires_grad`` flag of ``src``: torch.save records both."""
@@ -184,6 +202,10 @@ class StagingPool:
 
     def _copy_tree(self, obj: Any, slot_key: str, counter: Any, memo: _Memo,
                    pairs: list[CopyPair], path: str) -> Any:
+        if isinstance(obj, torch.Tensor) and memo.compact:
+            if obj.layout != torch.strided:
+                raise UsageError(f"cannot snapshot {path or 'tensor'}: layout {obj.layout} is not supported")
+            return self._compact_copy(obj, slot_key, counter, pairs)
         if isinstance(obj, torch.Tensor):
             if id(obj) in memo.tensors:  # the same tensor twice in one dict stays one tensor
                 return memo.tensors[id(obj)]
@@ -202,7 +224,9 @@ class StagingPool:
         if isinstance(obj, (list, tuple)):
             items = [self._copy_tree(v, slot_key, counter, memo, pairs, f"{path}[{i}]") for i, v in enumerate(obj)]
             if isinstance(obj, list):
-                return type(obj)(items) if type(obj) is not list else items
+                return type(obj)(items) if type(obj) is not list and not memo.compact else items
+            if memo.compact:
+                return tuple(items)  # as DeepSpeed's clone rebuilds tuples
             return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
         try:
             return copy.deepcopy(obj)

@@ -71,3 +71,27 @@ def test_serialization_failure_publishes_nothing_and_leaves_no_scratch_file(tmp_
         _write(tmp_path, "bad", {"weights": torch.ones(3), "hook": lambda: None})
     assert not (tmp_path / "bad" / "tag" / "mp_rank_00_model_states.pt").exists()
     assert os.listdir(tmp_path / "scratch") == []
+
+
+def _layer_state() -> dict:
+    """What a pipeline layer or an MoE expert hands over: views of flat buffers, a transposed view,
+    a Parameter, the same tensor under two names, a tuple."""
+    flat = torch.arange(40, dtype=torch.float32)
+    weight = torch.nn.Parameter(flat[:16].view(4, 4))
+    return {"weight": weight, "weight_t": flat[16:32].view(4, 4).t(), "bias": flat[32:36], "tied": weight,
+            "pair": (flat[36:38], torch.tensor(7)), "name": "layer"}
+
+
+def test_compact_snapshot_equals_deepspeeds_clone_before_save(tmp_path):
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    (tmp_path / "stock").mkdir()
+    torch.save(clone_tensors_for_torch_save(_layer_state()), tmp_path / "stock" / "mp_rank_00_model_states.pt")
+    staged = StagingPool().snapshot(_layer_state(), "m.pt", slot_key="layer", defer=False, compact=True)
+    assert _write(tmp_path, "ours", staged.obj) == (tmp_path / "stock" / "mp_rank_00_model_states.pt").read_bytes()
+
+
+def test_compact_snapshot_stages_only_the_tensors_not_their_flat_buffers():
+    staged = StagingPool().snapshot(_layer_state(), "m.pt", slot_key="layer", defer=False, compact=True)
+    assert staged.nbytes == (16 + 16 + 4 + 16 + 2) * 4 + 8
+    assert staged.obj["weight"].untyped_storage().nbytes() == 16 * 4
