@@ -42,18 +42,24 @@ def test_checkpoint_has_deepspeed_layout_and_a_manifest(saved):
     assert not glob.glob(str(saved["root"] / "async" / "**" / "*.partial"), recursive=True)
 
 
-def test_resume_matches_stock_resume_and_uninterrupted_run_bitwise(saved, ranks):
+@pytest.fixture(scope="module")
+def resumed(saved, ranks):
+    """Each combination's async and stock checkpoints resumed and trained on, once."""
     args = (saved["stage"], saved["dtype"])
-    from_async = ranks.run(rank_tasks.resume_and_train, *args, str(saved["root"] / "async"), True)
-    from_stock = ranks.run(rank_tasks.resume_and_train, *args, str(saved["root"] / "stock"), False)
+    return {"async": ranks.run(rank_tasks.resume_and_train, *args, str(saved["root"] / "async"), True),
+            "stock": ranks.run(rank_tasks.resume_and_train, *args, str(saved["root"] / "stock"), False)}
+
+
+def test_resume_matches_stock_resume_and_uninterrupted_run_bitwise(saved, resumed):
+    from_async, from_stock = resumed["async"], resumed["stock"]
     for rank in range(2):
         assert from_async[rank]["losses"] == from_stock[rank]["losses"]
         assert from_async[rank]["losses"] == saved["ranks"][rank]["losses_after"]
         assert from_async[rank]["step"] == from_stock[rank]["step"]
 
 
-def test_resume_returns_client_state(saved, ranks):
-    out = ranks.run(rank_tasks.resume_and_train, saved["stage"], saved["dtype"], str(saved["root"] / "async"), True)
+def test_resume_returns_client_state(saved, resumed):
+    out = resumed["async"]
     assert [o["client_state"] for o in out] == [rank_tasks.CLIENT_STATE] * 2
     assert [o["tag"] for o in out] == [saved["ranks"][0]["tag"]] * 2
 
