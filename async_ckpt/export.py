@@ -9,7 +9,6 @@ tokenizer and model config that the commit stored in the tag folder.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from async_ckpt.consolidated import (DEFAULT_SHARD_BYTES, SAFETENSORS_INDEX, TORCH_INDEX, index_json, nbytes,
+                                     plan_shards, set_config_dtype, shard_names, without_aliases)
 from async_ckpt.errors import UsageError
 from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import Manifest
@@ -28,7 +29,6 @@ from async_ckpt.storage.base import Storage
 logger = logging.getLogger("async_ckpt")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DEFAULT_SHARD_BYTES = 5 * 1000**3
 
 
 @dataclass
@@ -51,6 +51,9 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
     Tied weights (e.g. ``lm_head.weight`` sharing ``wte.weight``) are written once, as
     ``save_pretrained`` does; ``from_pretrained`` ties them again from the config.
     """
+    if manifest.consolidated:
+        raise UsageError(f"tag {manifest.tag!r} is a consolidated save: it already is a Hugging Face folder (or "
+                         "DeepSpeed's 16-bit model file); `async-ckpt pull` it and load it with from_pretrained")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     if max_shard_bytes <= 0:
@@ -69,7 +72,7 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
             state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
         os.makedirs(out_dir, exist_ok=True)
         report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
-        tensors = _without_aliases(state, report)
+        tensors, report.tied_aliases = without_aliases(state)
         tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in tensors.items()}
         _write_shards(tensors, out_dir, safetensors, max_shard_bytes, report)
         tag_dir = os.path.join(root, manifest.tag)
@@ -79,44 +82,18 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
             shutil.copyfile(os.path.join(tag_dir, entry.path), os.path.join(out_dir, entry.path))
             report.extra_files.append(entry.path)
     if "config.json" in report.extra_files:
-        _set_config_dtype(os.path.join(out_dir, "config.json"), DTYPES[dtype])
+        set_config_dtype(os.path.join(out_dir, "config.json"), DTYPES[dtype])
     logger.info("exported %s to %s: %d tensors, %.3f GB %s in %d shard(s), tied aliases %s, with %s",
                 manifest.tag, out_dir, report.tensors, report.total_bytes / 1e9, dtype, len(report.shards),
                 report.tied_aliases or "none", report.extra_files or "no tokenizer/config")
     return report
 
 
-def _without_aliases(state: dict[str, torch.Tensor], report: ExportReport) -> dict[str, torch.Tensor]:
-    """Drop names whose tensor shares storage with an earlier name (safetensors refuses them)."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    kept: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if tensor.numel() and key in seen:
-            report.tied_aliases.append(name)
-            continue
-        seen.add(key)
-        kept[name] = tensor
-    return kept
-
-
 def _write_shards(tensors: dict[str, torch.Tensor], out_dir: str, safetensors: bool, max_shard_bytes: int,
                   report: ExportReport) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    filled = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and filled + nbytes > max_shard_bytes:
-            shards.append({})
-            filled = 0
-        shards[-1][name] = tensor
-        filled += nbytes
-        report.total_bytes += nbytes
-    stem, ext, index_name = (("model", "safetensors", "model.safetensors.index.json") if safetensors
-                             else ("pytorch_model", "bin", "pytorch_model.bin.index.json"))
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards, start=1):
-        file_name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+    shards = plan_shards(tensors, max_shard_bytes)
+    names = shard_names(len(shards), safetensors=safetensors)
+    for shard, file_name in zip(shards, names):
         path = os.path.join(out_dir, file_name)
         if safetensors:
             from safetensors.torch import save_file
@@ -124,18 +101,8 @@ def _write_shards(tensors: dict[str, torch.Tensor], out_dir: str, safetensors: b
             save_file(shard, path, metadata={"format": "pt"})
         else:
             torch.save(shard, path)
-        weight_map.update(dict.fromkeys(shard, file_name))
         report.shards.append(file_name)
-    report.tensors = len(weight_map)
-    with open(os.path.join(out_dir, index_name), "w") as fh:
-        json.dump({"metadata": {"total_size": report.total_bytes}, "weight_map": weight_map}, fh, indent=2)
-
-
-def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
-    """Record the exported dtype in config.json, as ``save_pretrained`` does."""
-    with open(path) as fh:
-        config = json.load(fh)
-    name = str(dtype).removeprefix("torch.")
-    config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = name
-    with open(path, "w") as fh:
-        json.dump(config, fh, indent=2, sort_keys=True)
+    report.tensors = len(tensors)
+    report.total_bytes = sum(nbytes(t) for t in tensors.values())
+    with open(os.path.join(out_dir, SAFETENSORS_INDEX if safetensors else TORCH_INDEX), "wb") as fh:
+        fh.write(index_json(shards, names))
