@@ -1,0 +1,61 @@
+"""Injection for conformance runs: every engine ``deepspeed.initialize`` returns is wrapped by async_ckpt.
+
+DeepSpeed's own checkpoint tests create their engines inside spawned rank processes and must run
+unchanged, so the wrap has to happen where every interpreter starts: this file is put on
+``PYTHONPATH`` by ``tests/conformance/run.py`` and does nothing unless
+``ASYNC_CKPT_CONFORMANCE_LOG`` names a file. Each save's outcome (committed or the failure) is
+appended to that file, so that a background failure that no test reads back still fails the run.
+"""
+
+import os
+
+if os.environ.get("ASYNC_CKPT_CONFORMANCE_LOG"):
+    import importlib.abc
+    import sys
+
+    def _record(handle):
+        error = handle.exception()
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-")
+        line = f"{test}\t{handle.url}\t{handle.tag}\t{'ok' if error is None else repr(error)}\n"
+        with open(os.environ["ASYNC_CKPT_CONFORMANCE_LOG"], "a") as log:
+            log.write(line)
+
+    def _wrap_initialize(deepspeed):
+        import tempfile
+
+        import async_ckpt
+
+        original = deepspeed.initialize
+
+        def initialize(*args, **kwargs):
+            result = original(*args, **kwargs)
+            engine = result[0]
+            if hasattr(engine, "save_checkpoint"):
+                async_ckpt.wrap(engine, tempfile.mkdtemp(prefix="async_ckpt_conformance_"), on_error="raise",
+                                on_save_done=_record)
+            return result
+
+        deepspeed.initialize = initialize
+
+    class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
+        """Patches ``deepspeed.initialize`` right after ``deepspeed`` is first imported (not before:
+        importing DeepSpeed here would slow every interpreter and pick its accelerator too early)."""
+
+        def find_spec(self, name, path=None, target=None):
+            if name != "deepspeed":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            loader = spec.loader
+            exec_module = loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                _wrap_initialize(module)
+
+            loader.exec_module = exec_and_patch
+            return spec
+
+    import importlib.util
+
+    sys.meta_path.insert(0, _AfterDeepSpeedImport())
