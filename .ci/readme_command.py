@@ -1,4 +1,4 @@
-"""Print one of the README's two set-up commands (``demo`` or ``test``), as written there.
+"""Print one of the README's two set-up commands (``demo`` or ``test``), or its ``conformance`` command.
 
 CI runs the README's own words, so the two cannot drift apart. The commands are the fenced
 ``bash`` blocks of the README's "Set-up" section: exactly two, one running the demo, one pytest.
@@ -27,6 +27,17 @@ def setup_commands(text: str) -> dict[str, str]:
     return {name: match[0] for name, match in found.items()}
 
 
+def conformance_command(text: str) -> str:
+    """The one bash command of the README's conformance section (DeepSpeed's own tests, CI's subset)."""
+    section = re.search(r"^## Judged by DeepSpeed's own tests\b.*?(?=^## )", text, re.S | re.M)
+    blocks = [b.strip() for b in re.findall(r"^```bash\n(.*?)^```", section.group(0), re.S | re.M)] if section else []
+    if len(blocks) != 1 or "tests/conformance/run.py --quick" not in blocks[0] or "\n" in blocks[0]:
+        raise SystemExit(f"README.md's conformance section must hold one one-line bash command running "
+                         f"tests/conformance/run.py --quick, found {blocks}")
+    return blocks[0]
+
+
 if __name__ == "__main__":
     with open(README) as fh:
-        print(setup_commands(fh.read())[sys.argv[1]])
+        readme = fh.read()
+    print(conformance_command(readme) if sys.argv[1] == "conformance" else setup_commands(readme)[sys.argv[1]])

@@ -31,3 +31,12 @@ def test_the_readme_gives_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert all("torch==2.13.0" in command for command in found.values())
     with open(os.path.join(ROOT, ".ci", "run")) as fh:
         assert 'python3 .ci/readme_command.py test' in fh.read()
+
+
+def test_ci_runs_the_readmes_conformance_command_on_deepspeeds_own_tests():
+    command = runpy.run_path(os.path.join(ROOT, ".ci", "readme_command.py"))["conformance_command"]
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        found = command(fh.read())
+    assert found.endswith("python tests/conformance/run.py --quick") and "torch==2.13.0" in found
+    with open(os.path.join(ROOT, ".ci", "run")) as fh:
+        assert 'python3 .ci/readme_command.py conformance' in fh.read()
