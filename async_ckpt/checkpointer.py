@@ -26,11 +26,13 @@ import torch.distributed as dist
 
 from async_ckpt import __version__ as _version
 from async_ckpt import inflight
+from async_ckpt.catalog import read_manifest
 from async_ckpt.config import CheckpointConfig, OnError
+from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones
-from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, SaveFailedError,
-                               StorageError, TagExistsError, TagMismatchError, UsageError, VerificationError,
-                               WaitTimeoutError)
+from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, CorruptManifestError,
+                               SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
+                               VerificationError, WaitTimeoutError)
 from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake, job_store
 from async_ckpt.job import SaveJob
@@ -54,6 +56,9 @@ class _Session:
     storage: Storage
     files: list[StagedFile] = field(default_factory=list)
     snapshot_s: float = 0.0
+    #: The folder DeepSpeed's file paths are taken relative to, as the storage's paths are to its
+    #: root: the shadow folder (``None``) for save_checkpoint, the export's parent for save_16bit_model.
+    base: str | None = None
 
 
 def _normalize(url: str) -> str:
@@ -64,7 +69,7 @@ class AsyncCheckpointer:
     """Non-blocking saves, commit and resume for one DeepSpeed engine. Create it with :func:`wrap`.
 
     Every rank creates one and calls ``save``/``wait``/``load`` together, as with DeepSpeed.
-    After wrapping, the engine's own ``save_checkpoint`` is non-blocking too.
+    After wrapping, the engine's own ``save_checkpoint`` and ``save_16bit_model`` are non-blocking too.
     """
 
     def __init__(self, engine: Any, config: CheckpointConfig, *, tokenizer: Any = None) -> None:
@@ -98,6 +103,7 @@ class AsyncCheckpointer:
         self._previous_engine = engine.checkpoint_engine
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint
+        engine.save_16bit_model = self._engine_save_16bit_model
         inflight.register(self)
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
 
@@ -120,6 +126,44 @@ class AsyncCheckpointer:
         self._ensure_open()
         self._await_handles(self.config.wait_timeout_s if timeout is None else timeout)
         self._surface_errors()
+
+    def save_consolidated(self, tag: str | None = None, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                          exclude_frozen_parameters: bool = False) -> SaveHandle:
+        """Gather the whole model to rank 0 and write it as a Hugging Face folder, in the background.
+
+        :meth:`save` writes each rank's partition, for resuming; this writes what inference and
+        export need, loadable with ``AutoModelForCausalLM.from_pretrained(<url>/<tag>)`` without
+        DeepSpeed: safetensors shards of at most ``max_shard_bytes`` with their index, plus the
+        model config and tokenizer. Every rank calls it. The gather is DeepSpeed's own and runs
+        here, on the training thread (under ZeRO-3 it is a collective); rank 0 snapshots the
+        weights into the reused staging buffers and this returns, so training goes on while they
+        are written and committed. ``tag`` defaults to ``global_step{N}_consolidated``; it never
+        moves ``latest``, and :meth:`load`, the automatic tag choice and retention leave it alone.
+        """
+        self._ensure_open()
+        self._surface_errors()
+        started = time.perf_counter()
+        tag = validate_tag(tag) if tag is not None else f"global_step{self.engine.global_steps}_consolidated"
+        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+            raise ConfigError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+        waited = self._await_buffers()
+        save_id = self._agree(self.storage, tag)
+        entered = time.perf_counter()
+        state = gather_state_dict(self.engine, exclude_frozen_parameters=exclude_frozen_parameters)
+        gathered = time.perf_counter()
+        files = []
+        if self.rank == 0:
+            files.append(self._pool.snapshot(state, f"{tag}/model-*.safetensors", slot_key="consolidated",
+                                             defer=False))
+        snapshot_s = time.perf_counter() - gathered
+        extras_dir = self._save_extras(save_id)
+        dtype = floating_dtype(state) if state else None
+        if extras_dir is not None and dtype is not None and os.path.isfile(os.path.join(extras_dir, "config.json")):
+            set_config_dtype(os.path.join(extras_dir, "config.json"), dtype)  # the weights' dtype, for from_pretrained
+        return self._submit(self.storage, tag, save_id, files, CopyTicket([]), started, save_latest=False,
+                            extras_dir=extras_dir, consolidated=True, max_shard_bytes=max_shard_bytes,
+                            metrics={"buffer_wait_s": waited, "gather_s": gathered - entered,
+                                     "snapshot_s": snapshot_s})
 
     def load(self, tag: str | None = None, *, fallback: bool = False, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True, load_module_strict: bool = True) -> tuple[str, dict]:
@@ -199,6 +243,8 @@ class AsyncCheckpointer:
             self.engine.checkpoint_engine = self._previous_engine
             if self.engine.__dict__.get("save_checkpoint") == self._engine_save_checkpoint:
                 del self.engine.save_checkpoint
+            if self.engine.__dict__.get("save_16bit_model") == self._engine_save_16bit_model:
+                del self.engine.save_16bit_model
             shutil.rmtree(self._shadow, ignore_errors=True)
         self._surface_errors()
 
@@ -247,26 +293,36 @@ class AsyncCheckpointer:
         deepspeed_s = time.perf_counter() - entered
         deferred = [pair for f in files for pair in f.deferred]
         self._staging = self._pool.copy(deferred, background=True)
+        return self._submit(storage, tag, save_id, files, self._staging, started, save_latest=save_latest,
+                            extras_dir=self._save_extras(save_id),
+                            metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,
+                                     "deepspeed_overhead_s": deepspeed_s - snapshot_s})
+
+    def _submit(self, storage: Storage, tag: str, save_id: str, files: list[StagedFile], ticket: CopyTicket,
+                started: float, *, save_latest: bool, extras_dir: str | None, metrics: dict[str, float],
+                consolidated: bool = False, max_shard_bytes: int | None = None) -> SaveHandle:
+        """Hand a snapshotted save to the background writer; its handle's ``stall_s`` ends here."""
         handle = SaveHandle(tag=tag, url=storage.url)
         job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=self.rank, world_size=self.world_size,
-                      files=files, ticket=self._staging, handle=handle, save_latest=save_latest,
+                      files=files, ticket=ticket, handle=handle, save_latest=save_latest,
                       handshake=Handshake(self._store, save_id, self.rank, self.world_size),
-                      keep_last=self.config.keep_last, keep_every=self.config.keep_every,
-                      metadata=self._metadata(),
-                      extras_dir=self._save_extras(save_id))
-        handle.metrics.update(stall_s=time.perf_counter() - started, buffer_wait_s=waited, snapshot_s=snapshot_s,
-                              deepspeed_overhead_s=deepspeed_s - snapshot_s, staging_bytes=job.staged_bytes)
+                      keep_last=None if consolidated else self.config.keep_last, keep_every=self.config.keep_every,
+                      metadata=self._metadata(), extras_dir=extras_dir, consolidated=consolidated,
+                      max_shard_bytes=max_shard_bytes)
+        handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes, **metrics)
         self._last_job = job
         self._handles.append(handle)
         self._writer.submit(job)
         return handle
 
-    def _agree(self, storage: Storage, tag: str) -> str:
-        """One collective on the training thread: same tag everywhere, a fresh save id, tag not committed."""
+    def _agree(self, storage: Storage, tag: str, *, replace_export: bool = False) -> str:
+        """One collective on the training thread: same tag everywhere, a fresh save id, tag not committed
+        (or uncommitted first: with ``overwrite_tags``, or with ``replace_export`` where the committed tag
+        is an earlier consolidated save, as DeepSpeed overwrites its 16-bit model file)."""
         proposal = None
         if self.rank == 0:
             committed = storage.exists(manifest_path(tag))
-            proposal = (uuid.uuid4().hex, committed)
+            proposal = (uuid.uuid4().hex, committed, committed and replace_export and _is_consolidated(storage, tag))
         if self.world_size == 1:
             views = [(tag, proposal)]
         else:
@@ -278,14 +334,14 @@ class AsyncCheckpointer:
                 self.engine._checkpoint_tag_validation(tag)  # DeepSpeed's own check raises its own error
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
-        save_id, committed = views[0][1]
-        if committed and not self.config.overwrite_tags:
+        save_id, committed, replaceable = views[0][1]
+        if committed and not (replaceable or self.config.overwrite_tags):
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "
                                  "overwrite_tags=True to wrap() for DeepSpeed's overwrite semantics")
         if committed and self.rank == 0:
-            logger.warning("overwriting committed tag %s at %s (overwrite_tags=True): it is uncommitted until this "
-                           "save commits", tag, storage.url)
+            logger.warning("overwriting committed tag %s at %s: it is uncommitted until this save commits", tag,
+                           storage.url)
             storage.delete(manifest_path(tag))  # uncommit first: a half-overwritten tag is never 'committed'
         return save_id
 
@@ -301,6 +357,10 @@ class AsyncCheckpointer:
         return bool(self.engine.load_universal_checkpoint())
 
     def _check_compatible(self, manifest: Any) -> None:
+        if manifest.consolidated:
+            raise UsageError(f"tag {manifest.tag!r} is a consolidated save (the whole model's weights, for inference "
+                             "and export), not a ZeRO checkpoint: load() cannot resume from it. Load it with "
+                             "transformers' from_pretrained (torch.load for a save_16bit_model file)")
         if manifest.universal != self._loads_universal():
             fix = ("set \"checkpoint\": {\"load_universal\": true} in the DeepSpeed config to load it" if manifest.universal
                    else "convert it with `async-ckpt to-universal`, or remove checkpoint.load_universal from the config")
@@ -327,7 +387,7 @@ class AsyncCheckpointer:
         if self._session is None:  # a save DeepSpeed makes outside save_checkpoint: keep it synchronous
             torch.save(state_dict, path)
             return
-        relpath = os.path.relpath(path, self._shadow).replace(os.sep, "/")
+        relpath = os.path.relpath(path, self._session.base or self._shadow).replace(os.sep, "/")
         name = relpath.rsplit("/", 1)[-1]
         defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
         compact = isinstance(state_dict, CloneRequest)
@@ -394,10 +454,7 @@ class AsyncCheckpointer:
         """
         if not save_dir:
             raise ConfigError(f"save_dir must be a non-empty string, got {save_dir!r}")
-        key = _normalize(os.fspath(save_dir))
-        storage = self._storages.get(key)
-        if storage is None:
-            storage = self._storages[key] = self._open(os.fspath(save_dir))
+        storage = self._storage_for(os.fspath(save_dir))
         try:
             self._save(storage, None if tag is None else str(tag), client_state, save_latest,
                        exclude_frozen_parameters)
@@ -412,6 +469,53 @@ class AsyncCheckpointer:
             finally:
                 self.engine.checkpoint_engine = ours
         return True
+
+    def _engine_save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                                 exclude_frozen_parameters: bool = False) -> bool:
+        """Stand-in for ``engine.save_16bit_model`` after wrap: DeepSpeed's gather and file, written later.
+
+        DeepSpeed's own ``save_16bit_model`` runs with a session active, so the dict it hands its
+        checkpoint engine on rank 0 is snapshotted instead of written; its torch.save to
+        ``save_dir/save_filename`` then happens on the writer thread and commits like any save:
+        tag = the folder's name, root = its parent, the manifest marked consolidated. DeepSpeed's
+        semantics hold: ``False`` and nothing written under ZeRO-3 without
+        ``stage3_gather_16bit_weights_on_model_save``; saving into the same folder again overwrites the
+        earlier file. A folder that is a committed ZeRO checkpoint tag is refused (``TagExistsError``):
+        its commit record would be replaced by the export's.
+        """
+        if not save_dir:
+            raise ConfigError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        self._ensure_open()
+        self._surface_errors()
+        started = time.perf_counter()
+        root, tag = _normalize(os.fspath(save_dir)).rsplit("/", 1)
+        tag = validate_tag(tag)
+        storage = self._storage_for(root)
+        waited = self._await_buffers()
+        self._session = _Session(storage, base=os.path.dirname(os.fspath(save_dir).rstrip("/")) or ".")
+        entered = time.perf_counter()
+        try:
+            saved = type(self.engine).save_16bit_model(self.engine, save_dir, save_filename,
+                                                       exclude_frozen_parameters=exclude_frozen_parameters)
+            files, snapshot_s = self._session.files, self._session.snapshot_s
+        finally:
+            self._session = None
+        if not saved:  # DeepSpeed declined (ZeRO-3 without gathering on save) on every rank alike
+            return False
+        gather_s = time.perf_counter() - entered - snapshot_s
+        save_id = self._agree(storage, tag, replace_export=True)
+        self._submit(storage, tag, save_id, files, CopyTicket([]), started, save_latest=False, extras_dir=None,
+                     consolidated=True, metrics={"buffer_wait_s": waited, "gather_s": gather_s,
+                                                 "snapshot_s": snapshot_s})
+        return True
+
+    def _storage_for(self, url: str) -> Storage:
+        """The storage of a root other saves may share (save_dir of DeepSpeed's calls): opened and probed once."""
+        key = _normalize(url)
+        storage = self._storages.get(key)
+        if storage is None:
+            storage = self._storages[key] = self._open(url)
+        return storage
 
     def _open(self, url: str) -> Storage:
         options = self.config.storage_options if "://" in url else {}
@@ -477,6 +581,14 @@ class AsyncCheckpointer:
     def _ensure_open(self) -> None:
         if self._closed:
             raise CheckpointerClosedError("this checkpointer is closed; create a new one with async_ckpt.wrap(engine, url)")
+
+
+def _is_consolidated(storage: Storage, tag: str) -> bool:
+    try:
+        manifest = read_manifest(storage, tag)
+    except CorruptManifestError:
+        return False
+    return manifest is not None and manifest.consolidated
 
 
 def wrap(engine: Any, url: str | os.PathLike[str], *, tokenizer: Any = None, keep_last: int | None = None,

@@ -127,7 +127,8 @@ def _committed(job: SaveJob) -> bool:
 
 
 def _write_extras(job: SaveJob) -> list[FileEntry]:
-    """Rank 0's tokenizer and model config into the tag, DeepSpeed's recovery scripts into the root."""
+    """Rank 0's tokenizer and model config into the tag, DeepSpeed's recovery scripts into the root
+    (not for a consolidated save: it has no ZeRO shards to recover)."""
     storage, entries = job.storage, []
     if job.extras_dir:
         for root, _, names in os.walk(job.extras_dir):
@@ -136,7 +137,8 @@ def _write_extras(job: SaveJob) -> list[FileEntry]:
                 rel = os.path.relpath(local, job.extras_dir).replace(os.sep, "/")
                 entries.append(copy_local_file(storage, f"{job.tag}/{rel}", local, tag_dir=job.tag, rank=0))
         shutil.rmtree(job.extras_dir, ignore_errors=True)
-    for script, path in installed_recovery_scripts().items():
+    scripts = {} if job.consolidated else installed_recovery_scripts()
+    for script, path in scripts.items():
         with open(path, "rb") as fh:
             storage.write_bytes(script, fh.read())
         local_root = storage.local_dir()
@@ -159,6 +161,7 @@ def _manifest(job: SaveJob, entries: list[FileEntry]) -> Manifest:
         created_unix=time.time(),
         save_id=job.save_id,
         sets_latest=job.save_latest,
+        consolidated=job.consolidated,
     )
 
 
@@ -194,7 +197,8 @@ def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: 
     Runs only after a newer commit succeeded. Never deletes the tag just committed, the one
     ``latest`` names, or (with ``keep_every``) a tag whose step is a multiple of ``keep_every``.
     """
-    committed = [t for t in list_tags(storage) if t.committed and not t.manifest.universal]  # conversions are kept
+    committed = [t for t in list_tags(storage)  # conversions and consolidated saves are kept
+                 if t.committed and not t.manifest.universal and not t.manifest.consolidated]
     protected = {current, read_latest(storage)}
     deleted = []
     for info in committed[:-keep_last] if len(committed) > keep_last else []:

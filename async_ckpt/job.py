@@ -29,6 +29,12 @@ class SaveJob:
     keep_every: int | None
     metadata: dict[str, Any]
     extras_dir: str | None = None
+    #: A consolidated save (see :mod:`async_ckpt.consolidated`): its manifest says so, and it gets
+    #: no recovery scripts (there are no ZeRO shards to recover).
+    consolidated: bool = False
+    #: ``None``: every staged file is torch.saved as DeepSpeed handed it over. A number: the one
+    #: staged dict is a whole model, written as safetensors shards of at most this many bytes.
+    max_shard_bytes: int | None = None
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
 

@@ -47,6 +47,9 @@ class Manifest:
     #: False for ``save_checkpoint(..., save_latest=False)``: the save did not move ``latest`` on
     #: purpose, so a newer such tag never makes ``latest`` look stale to ``load()``.
     sets_latest: bool = True
+    #: The whole model gathered to rank 0 (``save_consolidated``, ``save_16bit_model`` after wrap):
+    #: for ``from_pretrained``/``torch.load``, never resumed by ``load()``, never moves ``latest``.
+    consolidated: bool = False
     format: str = FORMAT
 
     @property

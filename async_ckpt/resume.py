@@ -34,7 +34,8 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
       ``save_latest=False`` never make ``latest`` stale: they are resumed only when named;
     - if ``latest`` is missing, unreadable or names a tag that is gone, uncommitted or corrupt: the
       newest committed tag that moved ``latest`` (else the newest committed tag);
-    - tags whose manifest cannot be read are skipped with a warning naming them.
+    - tags whose manifest cannot be read are skipped with a warning naming them;
+    - consolidated tags (whole-model weights, not a ZeRO checkpoint) are never chosen.
 
     With ``universal``, the same among universal tags, by ``latest_universal``.
     """
@@ -56,7 +57,8 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
         if info.error:
             logger.warning("skipping corrupt tag %s: %s (`async-ckpt gc` removes it after the grace period)",
                            info.tag, info.error)
-    committed = [t.manifest for t in infos if t.committed and t.manifest.universal == universal]
+    committed = [t.manifest for t in infos
+                 if t.committed and t.manifest.universal == universal and not t.manifest.consolidated]
     moved_latest = [m for m in committed if m.sets_latest]
     newest = moved_latest[-1] if moved_latest else committed[-1] if committed else None
     named = next((m for m in committed if m.tag == latest), None)
@@ -86,7 +88,7 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
 def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
     """The newest committed tag older than ``manifest`` (for falling back after a failed check)."""
     older = [t.manifest for t in list_tags(storage) if t.committed and t.tag != manifest.tag
-             and t.manifest.universal == manifest.universal
+             and t.manifest.universal == manifest.universal and not t.manifest.consolidated
              and (t.manifest.step, t.manifest.created_unix) < (manifest.step, manifest.created_unix)]
     return older[-1] if older else None
 

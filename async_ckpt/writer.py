@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 from async_ckpt import commit
+from async_ckpt.consolidated import write_weights
 from async_ckpt.errors import SaveFailedError
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Outcome, brief
@@ -86,8 +87,12 @@ class BackgroundWriter:
             started = time.perf_counter()
             for staged in job.files:
                 current = staged.relpath
-                written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag, rank=job.rank,
-                                                scratch_dir=self._scratch_dir(job)))
+                if job.max_shard_bytes is None:
+                    written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag,
+                                                    rank=job.rank, scratch_dir=self._scratch_dir(job)))
+                else:
+                    written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,
+                                                 rank=job.rank))
             job.release_buffers()
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)

@@ -52,7 +52,7 @@ def render() -> str:
 
     lines = [HEADER, "## Wrapping an engine", ""]
     lines += _function("async_ckpt.wrap", async_ckpt.wrap)
-    lines += _class(async_ckpt.AsyncCheckpointer, ["save", "wait", "load", "close"])
+    lines += _class(async_ckpt.AsyncCheckpointer, ["save", "save_consolidated", "wait", "load", "close"])
     lines += _class(async_ckpt.SaveHandle, ["done", "result", "exception"])
     lines += _class(async_ckpt.SaveResult, ["persist_gbps"])
     lines += ["## Configuration", ""]

@@ -1,0 +1,103 @@
+"""Rank tasks for the consolidated-save tests: save_consolidated and save_16bit_model after wrap."""
+
+from __future__ import annotations
+
+import os
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from rank_tasks import _outcome, _rank, _tokens
+
+import async_ckpt
+from async_ckpt import workload
+from async_ckpt.catalog import read_manifest
+from async_ckpt.pull import pull
+
+PROBE_IDS = torch.arange(2, 26).unsqueeze(0)  # one fixed prompt for comparing logits
+#: Small enough that the tiny model's weights take several shards.
+SHARD_BYTES = 100_000
+
+
+def _engine(stage: int, dtype: str):
+    """The workload's engine, gathering 16-bit weights on save_16bit_model under ZeRO-3 (as users configure it)."""
+    config = workload.ds_config(stage, dtype)
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    model = workload.build_model("tiny")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _logits(engine) -> torch.Tensor:
+    """The engine's own logits on PROBE_IDS, every rank taking part (a ZeRO-3 forward is collective)."""
+    engine.module.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=PROBE_IDS).logits
+    engine.module.train()
+    return logits
+
+
+def _gate(path: str, opened: bool) -> None:
+    """Let rank 0's gated writes through (``opened``) or hold them; every rank waits until it is done."""
+    if _rank() == 0:
+        if opened:
+            open(path, "w").close()
+        elif os.path.exists(path):
+            os.remove(path)
+    dist.barrier()
+
+
+def consolidated_saves(stage: int, dtype: str, root: str, s3_url: str, s3_options: dict, work: str) -> dict:
+    """One engine: a regular save, then save_16bit_model and save_consolidated held at the storage (to see that
+    they return before the write), training on meanwhile; then a consolidated save to S3, pulled on rank 0."""
+    from faulty_fs import register
+
+    register()
+    engine = _engine(stage, dtype)
+    tokens = _tokens()
+    workload.train(engine, 2, tokens, _rank())
+    out: dict = {"logits": _logits(engine)}
+    stock_dir = os.path.join(work, "stock16")
+    type(engine).save_16bit_model(engine, stock_dir)  # DeepSpeed's own, synchronous, before wrap
+    gate = os.path.join(work, "gate")
+    _gate(gate, opened=True)
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate, "gate_match": "model"},
+                           tokenizer=workload.build_tokenizer())
+    ckpt.save(tag="regular").result(timeout=120)
+
+    _gate(gate, opened=False)
+    out["save_16bit_model"] = engine.save_16bit_model(f"faulty://{root}/export16")
+    out["bin_written_at_return"] = os.path.exists(f"{root}/export16/pytorch_model.bin")
+    _gate(gate, opened=True)
+    ckpt.wait()
+    out["resaved_16bit"] = engine.save_16bit_model(f"faulty://{root}/export16")  # DeepSpeed overwrites: so do we
+    ckpt.wait()
+
+    _gate(gate, opened=False)
+    handle = ckpt.save_consolidated(max_shard_bytes=SHARD_BYTES)
+    out["done_at_return"] = handle.done()
+    workload.train(engine, 1, tokens, _rank())  # training goes on while the write is held
+    _gate(gate, opened=True)
+    out["tag"] = handle.result(timeout=120).tag
+    out["metrics"] = dict(handle.metrics)
+
+    out["16bit_into_a_zero_tag"] = _outcome(lambda: engine.save_16bit_model(f"faulty://{root}/regular"))
+    out["tag_reused"] = _outcome(lambda: ckpt.save_consolidated(tag=out["tag"]))
+    out["load_consolidated"] = _outcome(lambda: ckpt.load(tag=out["tag"]))
+    if stage == 3:
+        engine._config.zero_config.gather_16bit_weights_on_model_save = False
+        out["16bit_without_gather"] = engine.save_16bit_model(f"faulty://{root}/not_gathered")
+        out["16bit_without_gather_wrote"] = os.path.exists(f"{root}/not_gathered")
+        engine._config.zero_config.gather_16bit_weights_on_model_save = True
+    out["latest"] = ckpt.storage.read_bytes("latest").decode()
+    out["loaded"], _ = ckpt.load()
+    out["failures"] = [str(e) for e in ckpt.failures]
+    ckpt.close()
+    out["save_16bit_model_restored"] = "save_16bit_model" not in engine.__dict__
+
+    out["s3_logits"] = _logits(engine)
+    with async_ckpt.wrap(engine, s3_url, storage_options=s3_options, tokenizer=workload.build_tokenizer()) as ckpt:
+        out["s3_tag"] = ckpt.save_consolidated(tag="on_s3").result(timeout=300).tag
+        if _rank() == 0:
+            pull(ckpt.storage, read_manifest(ckpt.storage, "on_s3"), os.path.join(work, "pulled"), show_progress=False)
+    return out

@@ -1,0 +1,170 @@
+"""Consolidated saves (the whole model gathered to rank 0), non-blocking: save_consolidated and save_16bit_model.
+
+One 2-rank run per ZeRO stage (ZeRO-3 fp32, ZeRO-2 bf16) makes every save these tests judge: a
+regular save, save_16bit_model and save_consolidated held at the storage while training goes on,
+and a consolidated save to moto S3. transformers and safetensors judge the folders; DeepSpeed's
+own save_16bit_model, run on the same step before wrap, judges the weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import consolidated_tasks
+import pytest
+import torch
+from s3_server import options
+from safetensors.torch import load_file
+
+from async_ckpt.manifest import Manifest
+
+_RUNS: dict[int, dict] = {}
+_DTYPES = {3: "fp32", 2: "bf16"}
+
+
+def _run(stage: int, ranks, s3, tmp_path_factory) -> dict:
+    """One run per ZeRO stage, shared by every test of this module."""
+    if stage not in _RUNS:
+        work = tmp_path_factory.mktemp(f"consolidated-zero{stage}")
+        bucket = s3.make_bucket(f"consolidated-zero{stage}")
+        out = ranks.run(consolidated_tasks.consolidated_saves, stage, _DTYPES[stage], str(work / "ckpt"),
+                        f"s3://{bucket}/run", options(s3.endpoint), str(work))
+        _RUNS[stage] = {"stage": stage, "root": work / "ckpt", "work": work, "bucket": bucket, "ranks": out,
+                        **out[0]}
+    return _RUNS[stage]
+
+
+@pytest.fixture(scope="module", params=[3, 2], ids=["zero3-fp32", "zero2-bf16"])
+def run(request, ranks, s3, tmp_path_factory):
+    return _run(request.param, ranks, s3, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def zero3(ranks, s3, tmp_path_factory):
+    return _run(3, ranks, s3, tmp_path_factory)
+
+
+def _manifest(folder) -> Manifest:
+    return Manifest.from_json((folder / "async_ckpt_manifest.json").read_bytes())
+
+
+def _hf_logits(folder) -> tuple[torch.Tensor, torch.dtype]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto").eval()
+    with torch.no_grad():
+        return model(input_ids=consolidated_tasks.PROBE_IDS).logits, model.dtype
+
+
+def _stock_16bit(run) -> dict[str, torch.Tensor]:
+    return torch.load(run["work"] / "stock16" / "pytorch_model.bin", weights_only=True)
+
+
+def _safetensors_weights(folder) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        weights.update(load_file(folder / shard))
+    return weights
+
+
+# ---- save_consolidated ------------------------------------------------------------------------
+
+def test_save_consolidated_returns_before_its_write_and_commits_on_every_rank(run):
+    assert [rank["done_at_return"] for rank in run["ranks"]] == [False, False]
+    assert [rank["tag"] for rank in run["ranks"]] == ["global_step2_consolidated"] * 2
+    assert _manifest(run["root"] / run["tag"]).consolidated
+    assert run["failures"] == []
+
+
+def test_consolidated_folder_loads_in_transformers_with_the_engines_logits(run):
+    logits, dtype = _hf_logits(run["root"] / run["tag"])
+    assert dtype == run["logits"].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[_DTYPES[run["stage"]]]
+    assert torch.equal(logits, run["logits"])
+
+
+def test_consolidated_weights_are_deepspeeds_gathered_weights_without_tied_aliases(run):
+    ours, stock = _safetensors_weights(run["root"] / run["tag"]), _stock_16bit(run)
+    assert "lm_head.weight" in stock and "lm_head.weight" not in ours
+    assert ours.keys() == stock.keys() - {"lm_head.weight"}
+    assert all(torch.equal(ours[name], stock[name]) for name in ours)
+
+
+def test_consolidated_shards_are_named_and_indexed_as_save_pretrained_does(run):
+    folder = run["root"] / run["tag"]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    weights = _safetensors_weights(folder)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def test_consolidated_manifest_lists_every_file_with_its_size(run):
+    folder = run["root"] / run["tag"]
+    manifest = _manifest(folder)
+    on_disk = {p.name for p in folder.iterdir()} - {"async_ckpt_manifest.json"}
+    assert {f.path for f in manifest.files} == on_disk
+    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= on_disk
+    assert all(f.size == (folder / f.path).stat().st_size and f.rank == 0 for f in manifest.files)
+
+
+def test_consolidated_save_leaves_latest_and_resume_on_the_regular_tag(run):
+    assert run["latest"] == "regular" and run["loaded"] == "regular"
+
+
+def test_load_refuses_a_consolidated_tag_and_points_to_from_pretrained(run):
+    kind, message = run["load_consolidated"]
+    assert kind == "UsageError" and run["tag"] in message and "from_pretrained" in message
+
+
+def test_save_consolidated_refuses_a_committed_tag(run):
+    kind, message = run["tag_reused"]
+    assert kind == "TagExistsError" and run["tag"] in message
+
+
+def test_consolidated_save_to_s3_loads_in_transformers_after_a_pull(run):
+    logits, _ = _hf_logits(run["work"] / "pulled" / "on_s3")
+    assert run["s3_tag"] == "on_s3" and torch.equal(logits, run["s3_logits"])
+
+
+def test_consolidated_save_writes_no_recovery_scripts_and_no_latest(run, s3):
+    keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=run["bucket"], Prefix="run/")["Contents"]}
+    assert "run/on_s3/async_ckpt_manifest.json" in keys
+    assert not {"run/zero_to_fp32.py", "run/latest"} & keys
+
+
+# ---- save_16bit_model after wrap --------------------------------------------------------------
+
+def test_save_16bit_model_after_wrap_returns_true_before_the_file_is_written(run):
+    assert run["save_16bit_model"] is True and run["bin_written_at_return"] is False
+
+
+def test_save_16bit_model_after_wrap_writes_deepspeeds_file(run):
+    ours = torch.load(run["root"] / "export16" / "pytorch_model.bin", weights_only=True)
+    stock = _stock_16bit(run)
+    assert list(ours) == list(stock)
+    assert all(torch.equal(ours[name], stock[name]) and ours[name].dtype == stock[name].dtype for name in stock)
+
+
+def test_save_16bit_model_after_wrap_commits_a_consolidated_manifest(run):
+    manifest = _manifest(run["root"] / "export16")
+    assert manifest.consolidated and [f.path for f in manifest.files] == ["pytorch_model.bin"]
+
+
+def test_save_16bit_model_may_overwrite_its_earlier_export_as_deepspeed_does(run):
+    assert run["resaved_16bit"] is True and run["failures"] == []
+
+
+def test_save_16bit_model_into_a_committed_zero_checkpoint_folder_is_refused(run):
+    kind, message = run["16bit_into_a_zero_tag"]
+    assert kind == "TagExistsError" and "'regular'" in message
+    assert not _manifest(run["root"] / "regular").consolidated
+
+
+def test_save_16bit_model_under_zero3_without_gathering_returns_false_and_writes_nothing(zero3):
+    assert zero3["16bit_without_gather"] is False and zero3["16bit_without_gather_wrote"] is False
+
+
+def test_close_gives_the_engine_its_own_save_16bit_model_back(run):
+    assert run["save_16bit_model_restored"] is True
