@@ -36,7 +36,7 @@ from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError,
 from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake, job_store
 from async_ckpt.job import SaveJob
-from async_ckpt.layout import manifest_path, validate_tag
+from async_ckpt.layout import manifest_path, model_parallel_size, validate_tag
 from async_ckpt.pull import PullReport
 from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
@@ -183,14 +183,14 @@ class AsyncCheckpointer:
         self.wait()
         manifest = resolve(self.storage, tag, universal=self._loads_universal())
         self._check_compatible(manifest)
-        dp_rank = self._dp_rank()
+        dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
         while True:
             problem, error, load_dir = None, None, None
             try:
                 if self.config.verify_on_load and self.storage.local_dir() is not None:
-                    check_for_rank(self.storage, manifest, dp_rank)
+                    check_for_rank(self.storage, manifest, dp_rank, mp_rank)
                 load_dir, self.last_fetch = fetch_for_rank(self.storage, manifest, dp_rank, self.config.cache_dir,
-                                                           self.config.max_concurrency)
+                                                           self.config.max_concurrency, mp_rank)
             except VerificationError as exc:
                 problem = str(exc)
             except Exception as exc:  # every rank must hear of it, or the others wait in the gather below
@@ -376,6 +376,12 @@ class AsyncCheckpointer:
                 f"this job runs {self.world_size} rank(s) with ZeRO-{stage}. A ZeRO checkpoint loads only on the same "
                 "layout: convert it with `async-ckpt to-universal` (DeepSpeed's ds_to_universal) and load it with "
                 "checkpoint.load_universal")
+        saved_mp, mp = model_parallel_size([f.path for f in manifest.files]), self._mp_size()
+        if saved_mp != mp:  # same world size, another split into tensor/pipeline and data parallelism
+            raise UsageError(
+                f"tag {manifest.tag!r} was saved by {saved_mp} model-parallel (tensor x pipeline) rank(s) (its "
+                f"mp_rank_NN files); this job has {mp}. A checkpoint loads only on the same layout: convert it with "
+                "`async-ckpt to-universal` (DeepSpeed's ds_to_universal) and load it with checkpoint.load_universal")
 
     def _on_makedirs(self, path: str) -> None:
         if self._session is None:
@@ -557,6 +563,13 @@ class AsyncCheckpointer:
     def _dp_rank(self) -> int:
         group = getattr(self.engine.optimizer, "dp_process_group", None)
         return dist.get_rank(group=group) if dist.is_initialized() else 0
+
+    def _mp_rank(self) -> int:
+        """This rank's model-parallel (tensor x pipeline) rank: the ``mp_rank_NN`` of its files."""
+        return int(getattr(self.engine, "checkpoint_mp_rank", 0) or 0)
+
+    def _mp_size(self) -> int:
+        return int(getattr(self.engine, "mp_world_size", 1) or 1)
 
     # ------------------------------------------------------------------ errors and lifecycle
     def _record_failure(self, error: SaveFailedError) -> None:

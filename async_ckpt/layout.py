@@ -21,6 +21,7 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 _MAX_TAG_LEN = 200
 _RANK_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_")
+_MP_RANK_RE = re.compile(r"mp_rank_(\d+)_")
 
 
 def validate_tag(tag: object) -> str:
@@ -58,11 +59,15 @@ def manifest_path(tag: str) -> str:
     return f"{tag}/{MANIFEST}"
 
 
-def files_for_rank(paths: list[str], dp_rank: int) -> list[str]:
+def files_for_rank(paths: list[str], dp_rank: int, mp_rank: int | None = None) -> list[str]:
     """Of a tag's DeepSpeed files, those rank ``dp_rank`` reads in ``load_checkpoint``.
 
-    Files named ``zero_pp_rank_N_`` belong to rank N (its optimizer shard, and its ZeRO-3 model
-    states); every other ``*_model_states.pt`` (ZeRO-1/2's single model file) is read by all ranks.
+    Files named ``zero_pp_rank_N_`` belong to data-parallel rank N (its optimizer shard, and its
+    ZeRO-3 model states); with ``mp_rank``, an optimizer shard (``..._mp_rank_MM_optim_states.pt``)
+    belongs to model-parallel (tensor/pipeline) rank MM only. Every other ``.pt`` file is read by
+    all ranks: the model states of every model-parallel rank (DeepSpeed counts them to tell its own
+    layout), pipeline layer files (``layer_NN-model_states.pt``), MoE expert files and the
+    expert-parallel optimizer files (``expp_rank_E_...``) of a non-ZeRO MoE run.
     """
     wanted = []
     for path in paths:
@@ -70,9 +75,17 @@ def files_for_rank(paths: list[str], dp_rank: int) -> list[str]:
         if not name.endswith(".pt"):
             continue
         owner = _RANK_FILE_RE.search(name)
-        if owner is None:
-            if name.endswith("_model_states.pt"):
-                wanted.append(path)
-        elif int(owner.group(1)) == dp_rank:
-            wanted.append(path)
+        if owner is not None and int(owner.group(1)) != dp_rank:
+            continue
+        model_parallel = _MP_RANK_RE.search(name)
+        if (owner is not None and mp_rank is not None and name.endswith("_optim_states.pt")
+                and model_parallel is not None and int(model_parallel.group(1)) != mp_rank):
+            continue
+        wanted.append(path)
     return wanted
+
+
+def model_parallel_size(paths: list[str]) -> int:
+    """How many model-parallel (tensor x pipeline) ranks saved a tag: its distinct ``mp_rank_MM`` files."""
+    names = [p.rsplit("/", 1)[-1] for p in paths if p.endswith(".pt")]
+    return len({m.group(1) for m in map(_MP_RANK_RE.search, names) if m is not None}) or 1

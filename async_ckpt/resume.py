@@ -93,9 +93,9 @@ def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
     return older[-1] if older else None
 
 
-def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int) -> None:
+def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, mp_rank: int | None = None) -> None:
     """Verify size and CRC-32 of the files ``dp_rank`` will read; raise naming the first bad one."""
-    for path in rank_files(manifest, dp_rank):
+    for path in rank_files(manifest, dp_rank, mp_rank):
         check = check_stored_file(storage, manifest.tag, manifest.entry(path))
         if not check.ok:
             raise VerificationError(f"{storage.url}/{manifest.tag}/{path}: {check.problem} (expected size "
@@ -104,12 +104,13 @@ def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int) -> None:
                                     "truncated; load another tag or pass fallback=True")
 
 
-def rank_files(manifest: Manifest, dp_rank: int) -> list[str]:
-    """The files of a tag that ``dp_rank`` reads when loading it: its share, or all of a universal tag."""
+def rank_files(manifest: Manifest, dp_rank: int, mp_rank: int | None = None) -> list[str]:
+    """The files of a tag that a rank (``dp_rank``, and ``mp_rank`` under tensor/pipeline parallelism)
+    reads when loading it: its share (see :func:`files_for_rank`), or all of a universal tag."""
     paths = [f.path for f in manifest.files]
     if manifest.universal:
         return [p for p in paths if p.endswith(".pt")]
-    return files_for_rank(paths, dp_rank)
+    return files_for_rank(paths, dp_rank, mp_rank)
 
 
 def cache_root(cache_dir: str, url: str) -> str:
@@ -119,13 +120,13 @@ def cache_root(cache_dir: str, url: str) -> str:
 
 
 def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, cache_dir: str,
-                   max_concurrency: int) -> tuple[str, PullReport]:
+                   max_concurrency: int, mp_rank: int | None = None) -> tuple[str, PullReport]:
     """Fetch what ``dp_rank`` needs of ``manifest`` into the cache; return the folder to load from."""
     local = storage.local_dir()
     if local is not None:
         return local, PullReport(tag=manifest.tag, dest=local)
     root = cache_root(cache_dir, storage.url)
-    wanted = [manifest.entry(p) for p in rank_files(manifest, dp_rank)]
+    wanted = [manifest.entry(p) for p in rank_files(manifest, dp_rank, mp_rank)]
     report = download(storage, manifest, wanted, os.path.join(root, manifest.tag),
                       max_concurrency=max_concurrency, resumable=False)
     with open(os.path.join(root, LATEST), "w") as fh:
