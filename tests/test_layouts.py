@@ -1,0 +1,383 @@
+"""async_ckpt beyond plain ZeRO data parallelism: pipeline parallelism, AutoTP, native MoE, AutoEP,
+frozen parameters; each on 2 real DeepSpeed ranks (gloo, CPU).
+
+For every layout one rank run (``layout_tasks``) saves the same state with stock DeepSpeed and with
+async_ckpt, then resumes a fresh engine through ``ckpt.load()``. The tests check that both folders
+hold the same files with the same content (loaded, compared tensor by tensor with ``torch.equal``:
+async_ckpt's default zip records are named ``archive/...``, so raw bytes differ), that the resumed
+engine's next step is bitwise the original engine's, and for AutoTP and AutoEP that a universal
+conversion (``async-ckpt to-universal``) loads on one rank exactly as DeepSpeed's conversion of its
+own checkpoint does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import layout_tasks
+import pytest
+import torch
+from conftest import Ranks
+from s3_server import options
+
+from async_ckpt.cli import main as cli
+from async_ckpt.layout import files_for_rank, model_parallel_size
+
+TAG = layout_tasks.TAG
+#: What async_ckpt adds to a tag folder: its manifest, and the model's Hugging Face config.json.
+OUR_EXTRAS = {"async_ckpt_manifest.json", "config.json"}
+
+
+# ---- fixtures: one rank run per layout ----------------------------------------------------------
+
+class LayoutRanks:
+    """The module's 2 ranks, restarted after a pipeline or AutoTP run. DeepSpeed keeps process-wide
+    parallel state (``deepspeed.utils.groups``: the pipeline grid or AutoTP's device mesh as the global
+    mpu), so an engine built after a pipeline or AutoTP engine in the same process inherits their
+    groups. Data-parallel engines (MoE, AutoEP, frozen) leave none: any run may follow them."""
+
+    #: Layout families that leave process-wide parallel state behind.
+    POLLUTING = ("pipeline", "autotp")
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks, self.family = ranks, None
+
+    def run(self, family: str, fn, *args) -> tuple[list[dict], float]:
+        if self.family in self.POLLUTING and family != self.family:
+            self.ranks.restart()
+        self.family = family
+        started = time.perf_counter()
+        out = self.ranks.run(fn, *args, timeout_s=600)
+        return out, time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def layout_ranks(ranks):
+    return LayoutRanks(ranks)
+
+
+@pytest.fixture(scope="module")
+def pipeline(layout_ranks, s3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    url = f"s3://{s3.make_bucket('layouts-pipeline')}/run"
+    out, wall = layout_ranks.run("pipeline", layout_tasks.pipeline_run, str(root), url, options(s3.endpoint))
+    return {"root": root, "ranks": out, "wall_s": wall}
+
+
+@pytest.fixture(scope="module")
+def autotp(layout_ranks, s3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("autotp")
+    bucket = s3.make_bucket("layouts-autotp")
+    url = f"s3://{bucket}/run"
+    out, wall = layout_ranks.run("autotp", layout_tasks.autotp_run, str(root), url, options(s3.endpoint))
+    return {"root": root, "url": url, "bucket": bucket, "ranks": out, "wall_s": wall}
+
+
+def _moe(layout_ranks, tmp_path_factory, stage: int, dtype: str) -> dict:
+    root = tmp_path_factory.mktemp(f"moe-zero{stage}")
+    out, wall = layout_ranks.run("moe", layout_tasks.moe_run, str(root), stage, dtype)
+    return {"root": root, "ranks": out, "wall_s": wall}
+
+
+@pytest.fixture(scope="module")
+def moe_zero0(layout_ranks, tmp_path_factory):
+    """Native MoE without ZeRO, fp32: expert-parallel optimizer files (``expp_rank_*``)."""
+    return _moe(layout_ranks, tmp_path_factory, 0, "fp32")
+
+
+@pytest.fixture(scope="module")
+def moe_zero2(layout_ranks, tmp_path_factory):
+    """Native MoE with ZeRO-2, bf16."""
+    return _moe(layout_ranks, tmp_path_factory, 2, "bf16")
+
+
+@pytest.fixture(scope="module")
+def autoep(layout_ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("autoep-zero1")
+    out, wall = layout_ranks.run("moe", layout_tasks.autoep_run, str(root), 1)
+    return {"root": root, "ranks": out, "wall_s": wall}
+
+
+@pytest.fixture(scope="module")
+def autoep_zero3(layout_ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("autoep-zero3")
+    out, wall = layout_ranks.run("moe", layout_tasks.autoep_run, str(root), 3)
+    return {"root": root, "ranks": out, "wall_s": wall}
+
+
+@pytest.fixture(scope="module")
+def frozen(layout_ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("frozen")
+    out, wall = layout_ranks.run("moe", layout_tasks.frozen_run, str(root))
+    return {"root": root, "ranks": out, "wall_s": wall}
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    group = Ranks(1)
+    yield group
+    group.close()
+
+
+def _stock_universal(root) -> None:
+    """DeepSpeed's own ds_to_universal of the stock checkpoint, as ``{root}/stock/{TAG}_universal``."""
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(root / "stock" / TAG), "--output_folder", str(root / "stock" / f"{TAG}_universal"),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                   check=True, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+
+
+@pytest.fixture(scope="module")
+def autotp_universal(autotp, one_rank, s3):
+    """The TP-2 checkpoint converted by `async-ckpt to-universal` on disk and on S3 (and by DeepSpeed from
+    the stock copy), each loaded on one rank with TP 1."""
+    root, url = autotp["root"], autotp["url"]
+    assert cli(["to-universal", str(root / "async"), "--out", str(root / "async"), "--json", "--workers", "1"]) == 0
+    assert cli(["to-universal", url, "--endpoint", s3.endpoint, "--out", url, "--json", "--workers", "1"]) == 0
+    _stock_universal(root)
+    sources = {"local": (str(root / "async"), None, True), "s3": (url, options(s3.endpoint), True),
+               "stock": (str(root / "stock"), None, False)}
+    started = time.perf_counter()
+    out = one_rank.run(layout_tasks.autotp_universal, list(sources.values()), timeout_s=600)
+    wall = time.perf_counter() - started
+    return {name: out[0][src[0]] for name, src in sources.items()} | {"wall_s": wall}
+
+
+@pytest.fixture(scope="module")
+def autoep_universal(autoep, one_rank):
+    """The EP-2 ZeRO-1 checkpoint converted by `async-ckpt to-universal` (and by DeepSpeed from the stock
+    copy), each loaded on one rank with AutoEP size 1."""
+    root = autoep["root"]
+    assert cli(["to-universal", str(root / "async"), "--out", str(root / "async"), "--json", "--workers", "1"]) == 0
+    _stock_universal(root)
+    sources = {"local": (str(root / "async"), None, True), "stock": (str(root / "stock"), None, False)}
+    started = time.perf_counter()
+    out = one_rank.run(layout_tasks.autoep_universal, 1, list(sources.values()), timeout_s=600)
+    wall = time.perf_counter() - started
+    return {name: out[0][src[0]] for name, src in sources.items()} | {"wall_s": wall}
+
+
+#: In this order, the module needs one restart of its ranks (see LayoutRanks).
+LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "frozen", "autotp", "pipeline"]
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request):
+    return request.getfixturevalue(request.param)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _differences(a, b, path: str = "") -> list[str]:
+    """Where two loaded checkpoint objects differ: tensors by dtype, shape and torch.equal, containers
+    recursively, objects by their attributes, everything else by ==."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+        return [] if same else [path]
+    if type(a) is not type(b):
+        return [f"{path} (type {type(a).__name__} != {type(b).__name__})"]
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return [f"{path} (keys {sorted(map(str, a))} != {sorted(map(str, b))})"]
+        return [d for key in a for d in _differences(a[key], b[key], f"{path}/{key}")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path} (length {len(a)} != {len(b)})"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    if a == b:
+        return []
+    if hasattr(a, "__dict__"):
+        return _differences(vars(a), vars(b), f"{path}.")
+    return [f"{path} ({a!r} != {b!r})"]
+
+
+def _files(folder) -> set[str]:
+    return {os.path.relpath(os.path.join(d, n), folder) for d, _, names in os.walk(folder) for n in names}
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _state_differences(a: dict, b: dict) -> list[str]:
+    if a.keys() != b.keys():
+        return [f"keys: {sorted(a.keys() ^ b.keys())}"]
+    return [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+
+
+# ---- every layout: the same files as stock DeepSpeed, bitwise resume ----------------------------
+
+def test_tag_folder_has_stock_deepspeeds_file_names_plus_the_manifest(layout):
+    stock, ours = _files(layout["root"] / "stock" / TAG), _files(layout["root"] / "async" / TAG)
+    assert {n for n in stock if n.endswith(".pt")}, "stock DeepSpeed saved no files"
+    assert ours - stock <= OUR_EXTRAS and "async_ckpt_manifest.json" in ours
+    assert stock - ours == set()
+
+
+def test_every_file_holds_stock_deepspeeds_tensors_bitwise(layout):
+    stock_dir, our_dir = layout["root"] / "stock" / TAG, layout["root"] / "async" / TAG
+    differences = {}
+    for name in sorted(_files(stock_dir)):
+        diff = _differences(_load(stock_dir / name), _load(our_dir / name))
+        if diff:
+            differences[name] = diff[:5]
+    assert differences == {}
+
+
+def test_resume_on_a_fresh_engine_takes_the_same_next_step_bitwise(layout):
+    for rank, out in enumerate(layout["ranks"]):
+        resumed, reference = out["resumed"], out["reference"]
+        kinds = {k.split("/")[0] for k, v in reference["state"].items() if v.numel()}
+        assert kinds == {"module", "optimizer"}, f"rank {rank}: nothing to compare"
+        assert resumed["load_changed_state"], f"rank {rank}: the fresh engine started from the saved state"
+        assert resumed["tag"] == TAG and resumed["client_state"]["layout"]
+        assert resumed["loss"] == reference["loss"], f"rank {rank}"
+        assert _state_differences(resumed["state"], reference["state"]) == [], f"rank {rank}"
+
+
+# ---- pipeline parallelism ---------------------------------------------------------------------
+
+def test_pipeline_writes_each_stages_layer_files_and_model_states(pipeline):
+    assert [(o["stage_id"], o["mp_rank"], o["mp_world_size"]) for o in pipeline["ranks"]] == [(0, 0, 2), (1, 1, 2)]
+    names = _files(pipeline["root"] / "async" / TAG)
+    assert {f"layer_{i:02d}-model_states.pt" for i in range(10)} <= names
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= names
+
+
+def test_pipeline_resume_from_s3_fetches_the_layer_files_and_takes_the_same_step(pipeline):
+    for rank, out in enumerate(pipeline["ranks"]):
+        resumed = out["resumed_s3"]
+        assert {f"layer_{i:02d}-model_states.pt" for i in range(10)} <= set(resumed["fetched"])
+        assert resumed["loss"] == out["reference"]["loss"]
+        assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
+
+
+# ---- AutoTP -----------------------------------------------------------------------------------
+
+def test_autotp_saves_one_model_and_optimizer_file_per_tensor_parallel_rank(autotp):
+    assert [(o["tp_rank"], o["mp_rank"], o["dp_world_size"]) for o in autotp["ranks"]] == [(0, 0, 1), (1, 1, 1)]
+    pt_files = {n for n in _files(autotp["root"] / "async" / TAG) if n.endswith(".pt")}
+    assert pt_files == {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"}
+
+
+def test_autotp_resume_from_s3_fetches_only_its_own_optimizer_shard(autotp):
+    for rank, out in enumerate(autotp["ranks"]):
+        resumed = out["resumed_s3"]
+        assert resumed["fetched"] == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                                      f"zero_pp_rank_0_mp_rank_{rank:02d}_optim_states.pt"]
+        assert resumed["loss"] == out["reference"]["loss"]
+        assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
+
+
+def test_autotp_checkpoint_on_the_same_world_size_with_another_tp_size_is_refused_naming_the_fix(autotp):
+    for out in autotp["ranks"]:
+        kind, message = out["load_on_tp1"]
+        assert kind == "UsageError"
+        assert "2 model-parallel" in message and "this job has 1" in message and "to-universal" in message
+
+
+@pytest.mark.parametrize("source", ["local", "s3"])
+def test_autotp_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(autotp_universal, source):
+    ours, stock = autotp_universal[source], autotp_universal["stock"]
+    assert ours["tag"] == f"{TAG}_universal" and ours["world_size"] == 1
+    assert _state_differences(ours["loaded"], stock["loaded"]) == []
+    assert ours["loss"] == stock["loss"]
+    assert _state_differences(ours["state"], stock["state"]) == []
+
+
+def test_autotp_universal_weights_equal_the_gathered_tensor_parallel_weights(autotp, autotp_universal):
+    full = autotp["ranks"][0]["full_weights"]
+    loaded = autotp_universal["local"]["loaded"]
+    assert full and {f"module/{k}" for k in full} <= loaded.keys()
+    assert [k for k in full if not torch.equal(loaded[f"module/{k}"], full[k])] == []
+
+
+# ---- native MoE and AutoEP --------------------------------------------------------------------
+
+@pytest.fixture(params=["moe_zero0", "moe_zero2", "autoep"])
+def expert_layout(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_expert_files_hold_only_their_own_storage(expert_layout):
+    """DeepSpeed's checkpoint_correctness_verification: no expert file carries a whole flat buffer."""
+    our_dir = expert_layout["root"] / "async" / TAG
+    expert_files = sorted(n for n in _files(our_dir) if "_expert_" in n and "_model_states" in n)
+    assert len(expert_files) == 8  # 2 MoE layers x 4 experts
+    for name in expert_files:
+        tensors = [t for t in _load(our_dir / name).values() if isinstance(t, torch.Tensor)]
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        stored = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        assert needed == sum(stored.values()), name
+
+
+@pytest.mark.parametrize("name,optimizer_files", [
+    ("moe_zero0", {"expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"}),
+    ("moe_zero2", {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"}),
+])
+def test_moe_writes_one_optimizer_file_per_expert_parallel_rank(request, name, optimizer_files):
+    names = _files(request.getfixturevalue(name)["root"] / "async" / TAG)
+    assert {n for n in names if n.endswith("_optim_states.pt")} == optimizer_files
+
+
+def test_autoep_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(autoep_universal):
+    ours, stock = autoep_universal["local"], autoep_universal["stock"]
+    assert ours["tag"] == f"{TAG}_universal" and ours["world_size"] == 1
+    assert _state_differences(ours["loaded"], stock["loaded"]) == []
+    assert ours["loss"] == stock["loss"]
+    assert _state_differences(ours["state"], stock["state"]) == []
+
+
+def test_autoep_universal_holds_every_ranks_experts(autoep, autoep_universal):
+    saved = [o["saved"] for o in autoep["ranks"]]
+    loaded = autoep_universal["local"]["loaded"]
+    experts = [k for k in saved[0] if k.startswith("module/") and ".experts.w" in k]
+    assert experts and all(loaded[k].shape[0] == 2 * saved[0][k].shape[0] for k in experts)
+    assert [k for k in experts if not torch.equal(loaded[k], torch.cat([saved[0][k], saved[1][k]]))] == []
+    dense = [k for k in saved[0] if k.startswith("module/") and k not in experts]
+    assert [k for k in dense if not torch.equal(loaded[k], saved[0][k])] == []
+
+
+def test_autoep_zero3_consolidated_export_after_wrap_is_deepspeeds_own_refusal(autoep_zero3):
+    for out in autoep_zero3["ranks"]:
+        assert out["stock_16bit"] is not None and out["stock_16bit"][0] == "NotImplementedError"
+        assert out["wrapped_16bit"] == out["stock_16bit"]
+
+
+# ---- frozen parameters ------------------------------------------------------------------------
+
+def test_excluded_frozen_parameters_are_absent_from_both_checkpoints(frozen):
+    frozen_names = frozen["ranks"][0]["frozen_names"]
+    assert frozen_names
+    for folder in ("stock", "async"):
+        module = _load(frozen["root"] / folder / TAG / "mp_rank_00_model_states.pt")["module"]
+        assert not set(frozen_names) & module.keys(), folder
+
+
+# ---- file ownership (no ranks) ----------------------------------------------------------------
+
+def test_files_for_rank_covers_layer_expert_and_model_parallel_files():
+    zero2 = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+             "zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_to_fp32.py"]
+    assert files_for_rank(zero2, 1, 0) == files_for_rank(zero2, 1) == [zero2[0], zero2[2]]
+    zero3 = ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+             "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert files_for_rank(zero3, 0, 0) == [zero3[0], zero3[2]]
+    pipeline = ["layer_00-model_states.pt", "layer_05-model_states.pt", "mp_rank_00_model_states.pt",
+                "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "zero_pp_rank_0_mp_rank_01_optim_states.pt", "async_ckpt_manifest.json"]
+    assert files_for_rank(pipeline, 0, 1) == pipeline[:4] + ["zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+    assert files_for_rank(pipeline, 0) == pipeline[:6]  # no model-parallel rank given: every shard of dp rank 0
+    moe = ["expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt",
+           "layer_0_expert_3_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt",
+           "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert files_for_rank(moe, 1, 0) == moe[:4] + ["bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    zero3_tp = ["zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_01_model_states.pt",
+                "zero_pp_rank_1_mp_rank_01_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+    assert files_for_rank(zero3_tp, 1, 1) == zero3_tp[:3]  # DeepSpeed globs every mp rank's model states
+    assert [model_parallel_size(p) for p in (pipeline, moe, zero3_tp, ["mp_rank_00_model_states.pt"])] == [2, 1, 2, 1]
