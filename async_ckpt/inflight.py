@@ -6,15 +6,18 @@ script) would find a folder without the new tag, or without ``latest``. :func:`w
 every save of every open checkpointer of the process. The first ``wrap()`` hooks DeepSpeed's own
 readers to call it first: ``DeepSpeedEngine.load_checkpoint`` (whichever engine loads),
 ``ds_to_universal``'s ``main`` and ``zero_to_fp32``'s consolidation functions. The hooks are no-ops
-while nothing is in flight. A reference taken with ``from ... import`` before the first ``wrap()``
-bypasses a hooked module function; call :func:`wait_all` before using such a reference.
+while nothing is in flight. A module that took one of those functions with ``from ... import`` before
+the first ``wrap()`` is rebound to the hooked function then; a reference kept in any other place
+(a local variable, a dict) is not: call :func:`wait_all` before using it.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
+import types
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -66,9 +69,17 @@ def _waiting_first(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _hook(owner: Any, name: str) -> None:
+    """Replace ``owner.name`` with a version that waits first; for a module function, rebind too every
+    module that took the function with ``from ... import`` before (a test or script imported earlier)."""
     original = getattr(owner, name, None)
-    if original is not None and not getattr(original, "__wrapped_by_async_ckpt__", False):
-        setattr(owner, name, _waiting_first(original))
+    if original is None or getattr(original, "__wrapped_by_async_ckpt__", False):
+        return
+    hooked = _waiting_first(original)
+    setattr(owner, name, hooked)
+    if isinstance(owner, types.ModuleType):
+        for module in list(sys.modules.values()):
+            if module is not None and getattr(module, "__dict__", {}).get(name) is original:
+                setattr(module, name, hooked)
 
 
 def _hook_deepspeed_readers() -> None:

@@ -6,6 +6,7 @@ import os
 import sys
 
 import torch.distributed as dist
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # taken before any wrap()
 
 import async_ckpt
 from async_ckpt import workload
@@ -106,3 +107,13 @@ def resave_a_committed_tag(root: str) -> dict:
         other.load_checkpoint(root, tag="t")
     return {"refused": refused, "first_steps": first_steps, "resaved_steps": engine.global_steps,
             "loaded_steps": other.global_steps, "latest": open(f"{root}/latest").read()}
+
+
+def zero_to_fp32_imported_before_wrap_right_after_save(root: str) -> dict:
+    """zero_to_fp32's function, taken with ``from ... import`` before the first wrap(), right after save()."""
+    _, ckpt = _slow_checkpointer(root)
+    handle = ckpt.save(tag="consolidate_me")
+    in_flight = not handle.done()
+    state = get_fp32_state_dict_from_zero_checkpoint(root, tag="consolidate_me")
+    ckpt.close()
+    return {"in_flight": in_flight, "tensors": len(state)}

@@ -19,6 +19,12 @@ def test_ds_to_universal_right_after_save_waits_for_the_commit(ranks, tmp_path):
     assert out[0]["in_flight_at_convert"] is True and out[0]["converted"]
 
 
+def test_zero_to_fp32_imported_before_wrap_waits_for_the_commit(ranks, tmp_path):
+    out = ranks.run(reader_tasks.zero_to_fp32_imported_before_wrap_right_after_save, str(tmp_path / "ckpt"))
+    for rank in out:
+        assert rank["in_flight"] is True and rank["tensors"] > 0
+
+
 def test_wait_all_waits_for_every_save_in_flight(ranks, tmp_path):
     out = ranks.run(reader_tasks.wait_all_right_after_save, str(tmp_path / "ckpt"))
     for rank in out:
