@@ -173,9 +173,10 @@ def _pipe_step(engine: Any) -> float:
     return float(engine.train_batch(data_iter=_pipe_batches(int(engine.global_steps))).item())
 
 
-def pipeline_run(root: str, s3_url: str, options: dict) -> dict:
-    """2 stages on 2 ranks, ZeRO-1 fp32, ``train_batch`` with 2 micro-batches; saved to disk and S3."""
-    out, engine = _layout_run(_pipe_engine, _pipe_step, root, "pipeline", s3=(s3_url, options))
+def pipeline_run(root: str, stage: int, s3_url: str | None = None, options: dict | None = None) -> dict:
+    """2 stages on 2 ranks, fp32, ``train_batch`` with 2 micro-batches; also saved to ``s3_url``."""
+    out, engine = _layout_run(lambda seed: _pipe_engine(seed, stage), _pipe_step, root, "pipeline",
+                              s3=(s3_url, options) if s3_url else None)
     out.update(stage_id=engine.stage_id, mp_world_size=engine.mp_world_size, mp_rank=engine.checkpoint_mp_rank)
     return out
 
@@ -304,9 +305,10 @@ def _moe_step(engine: Any) -> float:
     return float(loss.float().item())
 
 
-def moe_run(root: str, stage: int, dtype: str) -> dict:
-    """Native MoE, 4 experts, ep_size 2 on 2 ranks (2 experts each)."""
-    out, _ = _layout_run(lambda seed: _moe_engine(seed, stage=stage, dtype=dtype), _moe_step, root, "moe")
+def moe_run(root: str, stage: int, dtype: str, s3_url: str | None = None, options: dict | None = None) -> dict:
+    """Native MoE, 4 experts, ep_size 2 on 2 ranks (2 experts each); also saved to and resumed from ``s3_url``."""
+    out, _ = _layout_run(lambda seed: _moe_engine(seed, stage=stage, dtype=dtype), _moe_step, root, "moe",
+                         s3=(s3_url, options) if s3_url else None)
     return out
 
 
@@ -369,7 +371,32 @@ def autoep_universal(stage: int, sources: list[tuple[str, dict | None, bool]]) -
                              sources)
 
 
-# ---- frozen parameters ---------------------------------------------------------------------------
+# ---- ZeRO-Offload and frozen parameters ----------------------------------------------------------
+
+def _offload_engine(seed: int, *, stage: int) -> Any:
+    """The workload GPT with the optimizer (and under ZeRO-3 the parameters) offloaded to the CPU.
+
+    ``torch_adam`` keeps DeepSpeed's CPU Adam op (a C++ build of minutes) out of it: ZeRO-Offload then
+    steps torch's Adam on the offloaded fp32 partition; the checkpoint code is the same.
+    """
+    import deepspeed
+
+    from async_ckpt import workload
+
+    model = workload.build_model("tiny", seed=seed)
+    config = workload.ds_config(stage, "fp32")
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if stage == 3:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def offload_run(root: str, stage: int) -> dict:
+    out, engine = _layout_run(lambda seed: _offload_engine(seed, stage=stage), _gpt_step, root, "offload")
+    out["offloaded"] = engine.zero_offload_optimizer() is not None
+    return out
+
 
 def _frozen_engine(seed: int) -> Any:
     """The workload GPT with its position embeddings and first block frozen. The frozen weights are
@@ -393,7 +420,7 @@ def _frozen_engine(seed: int) -> Any:
     return engine
 
 
-def _frozen_step(engine: Any) -> float:
+def _gpt_step(engine: Any) -> float:
     from async_ckpt import workload
 
     if "tokens" not in _TOKENS:
@@ -407,6 +434,6 @@ _TOKENS: dict[str, torch.Tensor] = {}
 def frozen_run(root: str) -> dict:
     """ZeRO-2 fp32 with frozen parameters, saved with ``exclude_frozen_parameters=True`` (stock, and
     ``engine.save_checkpoint`` after wrap); resumed with ``load_module_strict=False``."""
-    out, engine = _layout_run(_frozen_engine, _frozen_step, root, "frozen", exclude_frozen=True)
+    out, engine = _layout_run(_frozen_engine, _gpt_step, root, "frozen", exclude_frozen=True)
     out["frozen_names"] = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
     return out

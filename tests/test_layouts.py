@@ -1,5 +1,5 @@
 """async_ckpt beyond plain ZeRO data parallelism: pipeline parallelism, AutoTP, native MoE, AutoEP,
-frozen parameters; each on 2 real DeepSpeed ranks (gloo, CPU).
+ZeRO-Offload, frozen parameters; each on 2 real DeepSpeed ranks (gloo, CPU).
 
 For every layout one rank run (``layout_tasks``) saves the same state with stock DeepSpeed and with
 async_ckpt, then resumes a fresh engine through ``ckpt.load()``. The tests check that both folders
@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import layout_tasks
 import pytest
@@ -37,7 +36,7 @@ class LayoutRanks:
     """The module's 2 ranks, restarted after a pipeline or AutoTP run. DeepSpeed keeps process-wide
     parallel state (``deepspeed.utils.groups``: the pipeline grid or AutoTP's device mesh as the global
     mpu), so an engine built after a pipeline or AutoTP engine in the same process inherits their
-    groups. Data-parallel engines (MoE, AutoEP, frozen) leave none: any run may follow them."""
+    groups. Data-parallel engines (MoE, AutoEP, offload, frozen) leave none: any run may follow them."""
 
     #: Layout families that leave process-wide parallel state behind.
     POLLUTING = ("pipeline", "autotp")
@@ -45,13 +44,11 @@ class LayoutRanks:
     def __init__(self, ranks: Ranks) -> None:
         self.ranks, self.family = ranks, None
 
-    def run(self, family: str, fn, *args) -> tuple[list[dict], float]:
+    def run(self, family: str, fn, *args) -> list[dict]:
         if self.family in self.POLLUTING and family != self.family:
             self.ranks.restart()
         self.family = family
-        started = time.perf_counter()
-        out = self.ranks.run(fn, *args, timeout_s=600)
-        return out, time.perf_counter() - started
+        return self.ranks.run(fn, *args, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -61,58 +58,83 @@ def layout_ranks(ranks):
 
 @pytest.fixture(scope="module")
 def pipeline(layout_ranks, s3, tmp_path_factory):
+    """2 stages, ZeRO-1 fp32; also on S3."""
     root = tmp_path_factory.mktemp("pipeline")
     url = f"s3://{s3.make_bucket('layouts-pipeline')}/run"
-    out, wall = layout_ranks.run("pipeline", layout_tasks.pipeline_run, str(root), url, options(s3.endpoint))
-    return {"root": root, "ranks": out, "wall_s": wall}
+    out = layout_ranks.run("pipeline", layout_tasks.pipeline_run, str(root), 1, url, options(s3.endpoint))
+    return {"root": root, "ranks": out}
+
+
+@pytest.fixture(scope="module")
+def pipeline_zero0(layout_ranks, tmp_path_factory):
+    """2 stages without ZeRO, fp32 (DeepSpeed's test_checkpoint_pipe_engine[0]): optimizer in the model states."""
+    root = tmp_path_factory.mktemp("pipeline-zero0")
+    return {"root": root, "ranks": layout_ranks.run("pipeline", layout_tasks.pipeline_run, str(root), 0)}
 
 
 @pytest.fixture(scope="module")
 def autotp(layout_ranks, s3, tmp_path_factory):
     root = tmp_path_factory.mktemp("autotp")
-    bucket = s3.make_bucket("layouts-autotp")
-    url = f"s3://{bucket}/run"
-    out, wall = layout_ranks.run("autotp", layout_tasks.autotp_run, str(root), url, options(s3.endpoint))
-    return {"root": root, "url": url, "bucket": bucket, "ranks": out, "wall_s": wall}
-
-
-def _moe(layout_ranks, tmp_path_factory, stage: int, dtype: str) -> dict:
-    root = tmp_path_factory.mktemp(f"moe-zero{stage}")
-    out, wall = layout_ranks.run("moe", layout_tasks.moe_run, str(root), stage, dtype)
-    return {"root": root, "ranks": out, "wall_s": wall}
+    url = f"s3://{s3.make_bucket('layouts-autotp')}/run"
+    out = layout_ranks.run("autotp", layout_tasks.autotp_run, str(root), url, options(s3.endpoint))
+    return {"root": root, "url": url, "ranks": out}
 
 
 @pytest.fixture(scope="module")
-def moe_zero0(layout_ranks, tmp_path_factory):
-    """Native MoE without ZeRO, fp32: expert-parallel optimizer files (``expp_rank_*``)."""
-    return _moe(layout_ranks, tmp_path_factory, 0, "fp32")
+def moe_zero0(layout_ranks, s3, tmp_path_factory):
+    """Native MoE without ZeRO, fp32: expert-parallel optimizer files (``expp_rank_*``); also on S3."""
+    root = tmp_path_factory.mktemp("moe-zero0")
+    url = f"s3://{s3.make_bucket('layouts-moe')}/run"
+    out = layout_ranks.run("dp", layout_tasks.moe_run, str(root), 0, "fp32", url, options(s3.endpoint))
+    return {"root": root, "ranks": out}
 
 
 @pytest.fixture(scope="module")
 def moe_zero2(layout_ranks, tmp_path_factory):
     """Native MoE with ZeRO-2, bf16."""
-    return _moe(layout_ranks, tmp_path_factory, 2, "bf16")
+    root = tmp_path_factory.mktemp("moe-zero2")
+    out = layout_ranks.run("dp", layout_tasks.moe_run, str(root), 2, "bf16")
+    return {"root": root, "ranks": out}
 
 
 @pytest.fixture(scope="module")
 def autoep(layout_ranks, tmp_path_factory):
     root = tmp_path_factory.mktemp("autoep-zero1")
-    out, wall = layout_ranks.run("moe", layout_tasks.autoep_run, str(root), 1)
-    return {"root": root, "ranks": out, "wall_s": wall}
+    out = layout_ranks.run("dp", layout_tasks.autoep_run, str(root), 1)
+    return {"root": root, "ranks": out}
 
 
 @pytest.fixture(scope="module")
 def autoep_zero3(layout_ranks, tmp_path_factory):
     root = tmp_path_factory.mktemp("autoep-zero3")
-    out, wall = layout_ranks.run("moe", layout_tasks.autoep_run, str(root), 3)
-    return {"root": root, "ranks": out, "wall_s": wall}
+    out = layout_ranks.run("dp", layout_tasks.autoep_run, str(root), 3)
+    return {"root": root, "ranks": out}
+
+
+def _offload(layout_ranks, tmp_path_factory, stage: int) -> dict:
+    root = tmp_path_factory.mktemp(f"offload-zero{stage}")
+    out = layout_ranks.run("dp", layout_tasks.offload_run, str(root), stage)
+    assert all(o["offloaded"] for o in out)
+    return {"root": root, "ranks": out}
+
+
+@pytest.fixture(scope="module")
+def offload_zero2(layout_ranks, tmp_path_factory):
+    """ZeRO-2 with the optimizer offloaded to the CPU."""
+    return _offload(layout_ranks, tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def offload_zero3(layout_ranks, tmp_path_factory):
+    """ZeRO-3 with the optimizer and the parameters offloaded to the CPU."""
+    return _offload(layout_ranks, tmp_path_factory, 3)
 
 
 @pytest.fixture(scope="module")
 def frozen(layout_ranks, tmp_path_factory):
     root = tmp_path_factory.mktemp("frozen")
-    out, wall = layout_ranks.run("moe", layout_tasks.frozen_run, str(root))
-    return {"root": root, "ranks": out, "wall_s": wall}
+    out = layout_ranks.run("dp", layout_tasks.frozen_run, str(root))
+    return {"root": root, "ranks": out}
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +162,8 @@ def autotp_universal(autotp, one_rank, s3):
     _stock_universal(root)
     sources = {"local": (str(root / "async"), None, True), "s3": (url, options(s3.endpoint), True),
                "stock": (str(root / "stock"), None, False)}
-    started = time.perf_counter()
     out = one_rank.run(layout_tasks.autotp_universal, list(sources.values()), timeout_s=600)
-    wall = time.perf_counter() - started
-    return {name: out[0][src[0]] for name, src in sources.items()} | {"wall_s": wall}
+    return {name: out[0][src[0]] for name, src in sources.items()}
 
 
 @pytest.fixture(scope="module")
@@ -154,14 +174,13 @@ def autoep_universal(autoep, one_rank):
     assert cli(["to-universal", str(root / "async"), "--out", str(root / "async"), "--json", "--workers", "1"]) == 0
     _stock_universal(root)
     sources = {"local": (str(root / "async"), None, True), "stock": (str(root / "stock"), None, False)}
-    started = time.perf_counter()
     out = one_rank.run(layout_tasks.autoep_universal, 1, list(sources.values()), timeout_s=600)
-    wall = time.perf_counter() - started
-    return {name: out[0][src[0]] for name, src in sources.items()} | {"wall_s": wall}
+    return {name: out[0][src[0]] for name, src in sources.items()}
 
 
 #: In this order, the module needs one restart of its ranks (see LayoutRanks).
-LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "frozen", "autotp", "pipeline"]
+LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "offload_zero2", "offload_zero3", "frozen", "autotp",
+           "pipeline", "pipeline_zero0"]
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -241,11 +260,16 @@ def test_resume_on_a_fresh_engine_takes_the_same_next_step_bitwise(layout):
 
 # ---- pipeline parallelism ---------------------------------------------------------------------
 
-def test_pipeline_writes_each_stages_layer_files_and_model_states(pipeline):
-    assert [(o["stage_id"], o["mp_rank"], o["mp_world_size"]) for o in pipeline["ranks"]] == [(0, 0, 2), (1, 1, 2)]
-    names = _files(pipeline["root"] / "async" / TAG)
-    assert {f"layer_{i:02d}-model_states.pt" for i in range(10)} <= names
-    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= names
+@pytest.mark.parametrize("name,optimizer_files", [
+    ("pipeline", {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"}),
+    ("pipeline_zero0", set()),
+])
+def test_pipeline_writes_each_stages_layer_files_and_model_states(request, name, optimizer_files):
+    run = request.getfixturevalue(name)
+    assert [(o["stage_id"], o["mp_rank"], o["mp_world_size"]) for o in run["ranks"]] == [(0, 0, 2), (1, 1, 2)]
+    names = {n for n in _files(run["root"] / "async" / TAG) if n.endswith(".pt")}
+    assert names == {f"layer_{i:02d}-model_states.pt" for i in range(10)} | optimizer_files | {
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"}
 
 
 def test_pipeline_resume_from_s3_fetches_the_layer_files_and_takes_the_same_step(pipeline):
@@ -323,6 +347,15 @@ def test_expert_files_hold_only_their_own_storage(expert_layout):
 def test_moe_writes_one_optimizer_file_per_expert_parallel_rank(request, name, optimizer_files):
     names = _files(request.getfixturevalue(name)["root"] / "async" / TAG)
     assert {n for n in names if n.endswith("_optim_states.pt")} == optimizer_files
+
+
+def test_moe_without_zero_resume_from_s3_fetches_both_expert_parallel_optimizer_files(moe_zero0):
+    for rank, out in enumerate(moe_zero0["ranks"]):
+        resumed = out["resumed_s3"]
+        assert {"expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"} <= set(
+            resumed["fetched"])
+        assert resumed["loss"] == out["reference"]["loss"]
+        assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
 
 
 def test_autoep_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(autoep_universal):
