@@ -20,7 +20,7 @@ import torch
 
 from async_ckpt.consolidated import (DEFAULT_SHARD_BYTES, SAFETENSORS_INDEX, TORCH_INDEX, index_json, nbytes,
                                      plan_shards, set_config_dtype, shard_names, without_aliases)
-from async_ckpt.errors import UsageError
+from async_ckpt.errors import ConversionError, UsageError
 from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import Manifest
 from async_ckpt.pull import pull
@@ -69,7 +69,10 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
             root = os.path.join(scratch, "pulled")
             pull(storage, manifest, root, show_progress=show_progress)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress prints; stdout is for --json
-            state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
+            try:
+                state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
+            except NotImplementedError as exc:  # DeepSpeed's refusal of a layout (AutoEP under ZeRO-3)
+                raise ConversionError(f"DeepSpeed's zero_to_fp32 cannot consolidate tag {manifest.tag!r}: {exc}") from exc
         os.makedirs(out_dir, exist_ok=True)
         report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
         tensors, report.tied_aliases = without_aliases(state)
