@@ -355,13 +355,15 @@ def _ep_step(engine: Any) -> float:
 
 
 def autoep_run(root: str, stage: int) -> dict:
-    """AutoEP size 2 on 2 ranks. Under ZeRO-3, also DeepSpeed's refusal of a consolidated export,
-    from the engine alone and from the engine after wrap."""
+    """AutoEP size 2 on 2 ranks. Under ZeRO-3, also DeepSpeed's refusal of a consolidated export: by
+    the engine alone, by the engine after wrap and by ``save_consolidated``; a save works after them."""
     out, engine = _layout_run(lambda seed: _ep_engine(seed, stage=stage), _ep_step, root, "autoep")
     if stage == 3:
         out["stock_16bit"] = _outcome(lambda: engine.save_16bit_model(f"{root}/stock_16bit"))
-        with async_ckpt.wrap(engine, f"{root}/async"):
+        with async_ckpt.wrap(engine, f"{root}/async") as ckpt:
             out["wrapped_16bit"] = _outcome(lambda: engine.save_16bit_model(f"{root}/async_16bit"))
+            out["consolidated"] = _outcome(lambda: ckpt.save_consolidated(tag="consolidated"))
+            out["saves_after"] = ckpt.save(tag="after-refusals").result(timeout=300).tag
     return out
 
 

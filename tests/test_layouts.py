@@ -376,10 +376,23 @@ def test_autoep_universal_holds_every_ranks_experts(autoep, autoep_universal):
     assert [k for k in dense if not torch.equal(loaded[k], saved[0][k])] == []
 
 
-def test_autoep_zero3_consolidated_export_after_wrap_is_deepspeeds_own_refusal(autoep_zero3):
+def test_autoep_zero3_consolidated_saves_after_wrap_are_deepspeeds_own_refusal(autoep_zero3):
     for out in autoep_zero3["ranks"]:
-        assert out["stock_16bit"] is not None and out["stock_16bit"][0] == "NotImplementedError"
+        kind, message = out["stock_16bit"]
+        assert kind == "NotImplementedError" and "AutoEP" in message
         assert out["wrapped_16bit"] == out["stock_16bit"]
+        assert out["consolidated"] == (kind, message.replace("save_16bit_model", "save_consolidated"))
+        assert out["saves_after"] == "after-refusals"
+
+
+def test_autoep_zero3_export_is_zero_to_fp32s_own_refusal(autoep_zero3, capsys, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with pytest.raises(NotImplementedError) as stock:
+        get_fp32_state_dict_from_zero_checkpoint(str(autoep_zero3["root"] / "stock"), tag=TAG)
+    code = cli(["export", str(autoep_zero3["root"] / "async"), "--tag", TAG, "--out", str(tmp_path / "hf")])
+    assert code == 2 and str(stock.value) in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
 
 
 # ---- frozen parameters ------------------------------------------------------------------------
