@@ -139,6 +139,12 @@ def _universal_resume(build: Build, step: Step, sources: list[tuple[str, dict | 
 PIPE_HIDDEN, PIPE_CLASSES = 16, 4
 
 
+def _ds_config(stage: int) -> dict:
+    """What every layout's engine shares: micro-batch 2, torch's Adam (no CPU Adam op build), quiet."""
+    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "steps_per_print": 1_000_000,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+
+
 def _pipe_engine(seed: int, stage: int = 1) -> Any:
     """DeepSpeed's LinearStackPipe, smaller: Linear, 4 x (Linear, ReLU), Linear, over 2 stages."""
     import deepspeed
@@ -150,14 +156,7 @@ def _pipe_engine(seed: int, stage: int = 1) -> Any:
         layers += [LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_HIDDEN, bias=False), torch.nn.ReLU()]
     layers.append(LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_CLASSES))
     model = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform")
-    config = {
-        "train_batch_size": 4,
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 1_000_000,
-        "pipeline": {"activation_checkpoint_interval": 0},
-    }
+    config = {**_ds_config(stage), "train_batch_size": 4, "pipeline": {"activation_checkpoint_interval": 0}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     return engine
 
@@ -195,14 +194,7 @@ def _tp_engine(seed: int, *, tp_size: int = 2, stage: int = 1, load_universal: b
     model = LlamaForCausalLM(LlamaConfig(vocab_size=TP_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=TP_SEQ, tie_word_embeddings=False))
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 1_000_000,
-        "checkpoint": {"load_universal": load_universal},
-    }
+    config = {**_ds_config(stage), "checkpoint": {"load_universal": load_universal}}
     if tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": tp_size}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -283,14 +275,7 @@ def _moe_engine(seed: int, *, stage: int, dtype: str) -> Any:
     model = MoEModel(ep_size=2)
     param_groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                          "name": "parameters"})
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": dtype == "bf16"},
-        "steps_per_print": 1_000_000,
-    }
+    config = {**_ds_config(stage), "bf16": {"enabled": dtype == "bf16"}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups, config=config)
     return engine
 
@@ -331,15 +316,8 @@ def _ep_engine(seed: int, *, ep_size: int = 2, stage: int = 1, load_universal: b
         first_k_dense_replace=0, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=8, max_position_embeddings=EP_SEQ, tie_word_embeddings=False))
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 1_000_000,
-        "checkpoint": {"load_universal": load_universal},
-        "expert_parallel": {"enabled": True, "autoep_size": ep_size, "preset_model": "deepseek_v2"},
-    }
+    config = {**_ds_config(stage), "checkpoint": {"load_universal": load_universal},
+              "expert_parallel": {"enabled": True, "autoep_size": ep_size, "preset_model": "deepseek_v2"}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
