@@ -50,6 +50,8 @@ def run_mode(mode: str, tests_dir: Path, selection: list[str], work: Path, timeo
     print(f"[{mode}] {time.monotonic() - started:.0f} s", flush=True)
     results = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
+        if not case.get("classname"):  # the test an interrupt stopped: it has no outcome
+            continue
         parts = case.get("classname", "").split(".")
         module = next((i for i, part in enumerate(parts) if part.startswith("test_")), len(parts) - 1)
         nodeid = "::".join(["/".join(parts[:module + 1]) + ".py", *parts[module + 1:], case.get("name", "")])
@@ -70,11 +72,15 @@ def tabulate(stock: dict, ours: dict) -> tuple[list[dict], list[str]]:
     reasons); failing with async_ckpt only (the regressions, each listed)."""
     rows: dict[str, dict] = defaultdict(lambda: {"run": 0, "stock_passed": 0, "async_passed": 0,
                                                  "not_passing_on_stock": 0, "async_only_failures": 0,
-                                                 "stock_reasons": set()})
+                                                 "not_run_with_async_ckpt": 0, "stock_reasons": set()})
     regressions = []
-    for nodeid, mine in ours["tests"].items():
+    for nodeid in sorted(set(stock["tests"]) | set(ours["tests"])):
         base = stock["tests"].get(nodeid, {"outcome": "not run", "message": ""})
+        mine = ours["tests"].get(nodeid)
         row = rows[nodeid.split("::")[0]]
+        if mine is None:
+            row["not_run_with_async_ckpt"] += 1
+            continue
         row["run"] += 1
         row["stock_passed"] += base["outcome"] == "passed"
         row["async_passed"] += mine["outcome"] == "passed"
@@ -90,15 +96,13 @@ def tabulate(stock: dict, ours: dict) -> tuple[list[dict], list[str]]:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| file | run | passed, stock | passed, async_ckpt | not passing on stock either "
-             "| failing with async_ckpt only |", "|---|---|---|---|---|---|"]
+    columns = ("run", "stock_passed", "async_passed", "not_passing_on_stock", "async_only_failures",
+               "not_run_with_async_ckpt")
+    lines = ["| file | run (both) | passed, stock | passed, async_ckpt | not passing on stock either "
+             "| failing with async_ckpt only | not run with async_ckpt |", "|---|---|---|---|---|---|---|"]
     for row in table:
-        lines.append(f"| `{row['file'].rsplit('/', 1)[-1]}` | {row['run']} | {row['stock_passed']} | "
-                     f"{row['async_passed']} | {row['not_passing_on_stock']} | {row['async_only_failures']} |")
-    total = {k: sum(r[k] for r in table) for k in ("run", "stock_passed", "async_passed", "not_passing_on_stock",
-                                                     "async_only_failures")}
-    lines.append(f"| **all** | {total['run']} | {total['stock_passed']} | {total['async_passed']} | "
-                 f"{total['not_passing_on_stock']} | {total['async_only_failures']} |")
+        lines.append(f"| `{row['file'].rsplit('/', 1)[-1]}` | " + " | ".join(str(row[c]) for c in columns) + " |")
+    lines.append("| **all** | " + " | ".join(str(sum(r[c] for r in table)) for c in columns) + " |")
     return "\n".join(lines)
 
 
@@ -115,8 +119,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="CI's run: only async_ckpt, on the tests in selection-quick.txt (each passes on stock "
                              "DeepSpeed here); fails unless every one passes and every background save commits")
-    parser.add_argument("--combine", type=Path, nargs=2, metavar=("STOCK_JSON", "ASYNC_JSON"),
-                        help="tabulate two earlier single-mode runs (--modes stock / --modes async_ckpt) instead")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                        help="tabulate earlier single-mode runs instead: the stock one, then async_ckpt ones (a "
+                             "later run's outcome of a test replaces an earlier one's)")
     args = parser.parse_args()
     if args.quick:
         args.modes = "async_ckpt"
@@ -124,8 +129,13 @@ def main() -> int:
         lines = (HERE / ("selection-quick.txt" if args.quick else "selection.txt")).read_text().splitlines()
         args.selection = [line for line in lines if line.strip() and not line.startswith("#")]
     if args.combine:
-        runs = {"stock": json.loads(args.combine[0].read_text())["runs"]["stock"],
-                "async_ckpt": json.loads(args.combine[1].read_text())["runs"]["async_ckpt"]}
+        ours: dict = {"tests": {}, "saves_ok": 0, "failed_saves": []}
+        for path in args.combine[1:]:
+            run = json.loads(path.read_text())["runs"]["async_ckpt"]
+            ours["tests"].update(run["tests"])
+            ours["saves_ok"] += run["saves_ok"]
+            ours["failed_saves"] += run["failed_saves"]
+        runs = {"stock": json.loads(args.combine[0].read_text())["runs"]["stock"], "async_ckpt": ours}
         return report(runs, args.selection, args.out)
     if not (args.deepspeed_tests / "unit" / "checkpoint").is_dir():
         print(f"DeepSpeed's tests not found at {args.deepspeed_tests}: pass --deepspeed-tests (a copy of DeepSpeed's "
