@@ -12,8 +12,9 @@ import async_ckpt
 from async_ckpt import workload
 from rank_tasks import _rank, _tokens
 
-#: Every data-file write sleeps this long, so each save is still in flight when the reader starts.
-SLOW_WRITE_S = 0.5
+#: Every write() into a data file sleeps this long (torch.save writes each file in dozens of calls),
+#: so each save is still in flight for seconds when the reader starts.
+SLOW_WRITE_S = 0.05
 
 
 def _slow_checkpointer(root: str):
