@@ -10,7 +10,7 @@ rules both follow (tied aliases, shard plan, file names, index, config dtype) li
 
 A shard is streamed, never assembled: the safetensors header, then each tensor's bytes straight
 from its staging buffer, contiguous in offset order, through ``Storage.open_write`` and a
-:class:`~async_ckpt.serialization.ChecksumWriter` (size and CRC-32 for the manifest).
+:func:`~async_ckpt.serialization.write_chunks` (size and CRC-32 for the manifest).
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from async_ckpt.errors import UsageError
 from async_ckpt.manifest import FileEntry
-from async_ckpt.serialization import ChecksumWriter, format_crc
+from async_ckpt.serialization import write_chunks
 from async_ckpt.storage.base import Storage
 
 DEFAULT_SHARD_BYTES = 5 * 1000**3
@@ -140,20 +139,11 @@ def _raw_bytes(tensor: torch.Tensor) -> Any:
     return flat.view(torch.uint8).numpy()
 
 
-def _stream(storage: Storage, relpath: str, chunks: Iterable[Any], *, tag_dir: str, rank: int) -> FileEntry:
-    with storage.open_write(relpath) as stream:
-        writer = ChecksumWriter(stream)
-        for chunk in chunks:
-            writer.write(chunk)
-        writer.flush()
-    return FileEntry(path=relpath[len(tag_dir) + 1:], size=writer.size, crc32=format_crc(writer.crc), rank=rank)
-
-
 def write_safetensors(storage: Storage, relpath: str, shard: dict[str, torch.Tensor], *, tag_dir: str,
                       rank: int) -> FileEntry:
     """Stream ``shard`` into a safetensors file at ``relpath`` (atomically); the entry is relative to ``tag_dir``."""
     tensors = (_raw_bytes(t) for t in shard.values() if t.numel())  # lazily: one non-contiguous copy at a time
-    return _stream(storage, relpath, itertools.chain([safetensors_header(shard)], tensors), tag_dir=tag_dir,
+    return write_chunks(storage, relpath, itertools.chain([safetensors_header(shard)], tensors), tag_dir=tag_dir,
                    rank=rank)
 
 
@@ -165,5 +155,6 @@ def write_weights(storage: Storage, tag: str, state: dict[str, torch.Tensor], *,
     names = shard_names(len(shards))
     entries = [write_safetensors(storage, f"{tag}/{name}", shard, tag_dir=tag, rank=rank)
                for shard, name in zip(shards, names)]
-    entries.append(_stream(storage, f"{tag}/{SAFETENSORS_INDEX}", [index_json(shards, names)], tag_dir=tag, rank=rank))
+    entries.append(write_chunks(storage, f"{tag}/{SAFETENSORS_INDEX}", [index_json(shards, names)], tag_dir=tag,
+                                rank=rank))
     return entries

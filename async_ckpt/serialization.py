@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 import torch
@@ -92,14 +93,21 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def copy_local_file(storage: Storage, relpath: str, local_path: str, *, tag_dir: str, rank: int) -> FileEntry:
-    """Stream a local file into ``relpath`` atomically, recording its size and CRC-32."""
-    with open(local_path, "rb") as src, storage.open_write(relpath) as stream:
+def write_chunks(storage: Storage, relpath: str, chunks: Iterable[Any], *, tag_dir: str, rank: int) -> FileEntry:
+    """Stream ``chunks`` (bytes-like) into ``relpath`` atomically, recording size and CRC-32; the entry's
+    path is relative to ``tag_dir``."""
+    with storage.open_write(relpath) as stream:
         writer = ChecksumWriter(stream)
-        while chunk := src.read(IO_CHUNK):
+        for chunk in chunks:
             writer.write(chunk)
         writer.flush()
     return FileEntry(path=relpath[len(tag_dir) + 1:], size=writer.size, crc32=format_crc(writer.crc), rank=rank)
+
+
+def copy_local_file(storage: Storage, relpath: str, local_path: str, *, tag_dir: str, rank: int) -> FileEntry:
+    """Stream a local file into ``relpath`` atomically, recording its size and CRC-32."""
+    with open(local_path, "rb") as src:
+        return write_chunks(storage, relpath, iter(lambda: src.read(IO_CHUNK), b""), tag_dir=tag_dir, rank=rank)
 
 
 def crc32_of_stream(stream: BinaryIO) -> tuple[int, str]:
