@@ -9,6 +9,7 @@ streamed to storage and committed (see :mod:`async_ckpt.commit`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -18,7 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import deepspeed
 import torch
@@ -30,17 +31,21 @@ from async_ckpt.catalog import read_manifest
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones
+from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, CorruptManifestError,
                                SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
                                VerificationError, WaitTimeoutError)
-from async_ckpt.handle import SaveHandle
-from async_ckpt.handshake import Handshake, job_store
+from async_ckpt.handle import SaveHandle, SaveResult
+from async_ckpt.handshake import Handshake, Outcome, job_store
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import manifest_path, model_parallel_size, validate_tag
+from async_ckpt.manifest import Manifest
 from async_ckpt.pull import PullReport
 from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
+from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, log_tier, nodes_from,
+                              room_for, undrained)
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
 
 logger = logging.getLogger("async_ckpt")
@@ -97,15 +102,25 @@ class AsyncCheckpointer:
         self._closed = False
         self.last_fetch: PullReport | None = None
         self._store = job_store(self.world_size)  # the writer thread's own client of the job's c10d store
+        self._local: Storage | None = None
+        self._drainer: Drainer | None = None
+        self._node_ranks: tuple[int, ...] = ()
+        self._tier_leader = False
+        self._drain_failed = False
+        if config.local_tier is not None:
+            self._open_local_tier(config.local_tier)
         self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
                                         nice=config.writer_nice, exact_bytes=config.exact_bytes,
-                                        cache_dir=config.cache_dir, on_done=config.on_save_done)
+                                        cache_dir=config.cache_dir, on_done=config.on_save_done,
+                                        on_local_commit=self._drain_later if self._drainer else None)
         self._previous_engine = engine.checkpoint_engine
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint
         engine.save_16bit_model = self._engine_save_16bit_model
         inflight.register(self)
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
+        if self._drainer is not None:
+            self._resume_drains()
 
     # ------------------------------------------------------------------ public API
     def save(self, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> SaveHandle:
@@ -147,7 +162,7 @@ class AsyncCheckpointer:
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
         waited = self._await_buffers()
-        save_id = self._agree(self.storage, tag)
+        save_id, _ = self._agree(self.storage, tag)
         entered = time.perf_counter()
         state = gather_state_dict(self.engine, exclude_frozen_parameters=exclude_frozen_parameters)
         gathered = time.perf_counter()
@@ -180,6 +195,13 @@ class AsyncCheckpointer:
         on any number of ranks; every rank fetches and verifies all of its files.
         """
         self._ensure_open()
+        if self._local is not None and not self._loads_universal():
+            self._await_handles(self.config.wait_timeout_s, local_only=True)  # drains go on meanwhile
+            self._surface_errors()
+            return self._load_tiered(None if tag is None else validate_tag(tag), fallback=fallback,
+                                     load_optimizer_states=load_optimizer_states,
+                                     load_lr_scheduler_states=load_lr_scheduler_states,
+                                     load_module_strict=load_module_strict)
         self.wait()
         manifest = resolve(self.storage, tag, universal=self._loads_universal())
         self._check_compatible(manifest)
@@ -211,13 +233,75 @@ class AsyncCheckpointer:
                 raise VerificationError(first + ("" if not fallback else "; no older committed tag to fall back to"))
             logger.warning("rank %d: %s; falling back to %s", self.rank, first, older.tag)
             manifest = older
-        path, client_state = type(self.engine).load_checkpoint(
-            self.engine, load_dir, manifest.tag, load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states)
+        return self._deepspeed_load(load_dir, manifest, self.storage.url, load_optimizer_states=load_optimizer_states,
+                                    load_lr_scheduler_states=load_lr_scheduler_states,
+                                    load_module_strict=load_module_strict)
+
+    def _deepspeed_load(self, load_dir: str, manifest: Manifest, source: str, **options: bool) -> tuple[str, dict]:
+        load = type(self.engine).load_checkpoint
+        load = getattr(load, "__wrapped__", load)  # not inflight's hook: it would wait for drains still running
+        path, client_state = load(self.engine, load_dir, manifest.tag, **options)
         if path is None:
             raise CheckpointNotFoundError(f"DeepSpeed found no checkpoint files for tag {manifest.tag!r} in {load_dir}")
-        logger.info("rank %d resumed from %s/%s (step %d)", self.rank, self.storage.url, manifest.tag, manifest.step)
+        logger.info("rank %d resumed from %s/%s (step %d)", self.rank, source, manifest.tag, manifest.step)
         return manifest.tag, client_state or {}
+
+    def _load_tiered(self, tag: str | None, *, fallback: bool, **options: bool) -> tuple[str, dict]:
+        """:meth:`load` with a local tier: the newest tag every rank can read from some tier, each rank
+        reading from the nearest one that holds its files intact (its node's folder after a process
+        restart, the durable URL after a node replacement or a wiped folder), logged per rank."""
+        views = self._gather((committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None))
+        local_views, durable_view = [v[0] for v in views], views[0][1]
+        dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
+        while True:
+            chosen, why = choose_tag(tag, local_views, durable_view)
+            if chosen is None:
+                raise CheckpointNotFoundError(f"cannot resume from {self.config.local_tier} (local tier) or "
+                                              f"{self.storage.url}: {why}")
+            problem, load_dir, manifest, source = None, None, None, ""
+            try:
+                load_dir, manifest, source = self._nearest_copy(chosen, chosen in local_views[self.rank],
+                                                                chosen in durable_view, dp_rank, mp_rank)
+            except (VerificationError, CheckpointNotFoundError, StorageError, OSError) as exc:
+                problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            problems = [p for p in self._gather(problem) if p]
+            if not problems:
+                break
+            if not fallback or tag is not None:
+                raise VerificationError(f"tag {chosen!r} cannot be read on every rank: {problems[0]}"
+                                        + ("" if fallback else "; pass fallback=True to take an older tag"))
+            logger.warning("rank %d: %s; falling back to an older tag", self.rank, problems[0])
+            for view in (*local_views, durable_view):
+                view.pop(chosen, None)
+        self._check_compatible(manifest)
+        return self._deepspeed_load(load_dir, manifest, source, **options)
+
+    def _nearest_copy(self, tag: str, in_local: bool, in_durable: bool, dp_rank: int,
+                      mp_rank: int) -> tuple[str, Manifest, str]:
+        """``(folder to load from, manifest, where)`` of the first tier holding this rank's files intact."""
+        why = "not committed in this node's local tier"
+        if in_local:
+            manifest = read_manifest(self._local, tag)
+            try:
+                if manifest is None:
+                    raise CheckpointNotFoundError(f"tag {tag!r} is no longer committed in {self._local.url}")
+                if self.config.verify_on_load:
+                    check_for_rank(self._local, manifest, dp_rank, mp_rank)
+                log_tier(self.rank, tag, "local", self._local.url)
+                return self._local.local_dir(), manifest, self._local.url
+            except (VerificationError, CheckpointNotFoundError) as exc:
+                why = str(exc)
+        if not in_durable:
+            raise CheckpointNotFoundError(f"tag {tag!r}: {why}, and it is not committed at {self.storage.url}")
+        manifest = read_manifest(self.storage, tag)
+        if manifest is None:
+            raise CheckpointNotFoundError(f"tag {tag!r} is no longer committed at {self.storage.url}")
+        if self.config.verify_on_load and self.storage.local_dir() is not None:
+            check_for_rank(self.storage, manifest, dp_rank, mp_rank)
+        load_dir, self.last_fetch = fetch_for_rank(self.storage, manifest, dp_rank, self.config.cache_dir,
+                                                   self.config.max_concurrency, mp_rank)
+        log_tier(self.rank, tag, "durable", self.storage.url, why)
+        return load_dir, manifest, self.storage.url
 
     def close(self) -> None:
         """Finish pending saves, stop the writer thread and give the engine its own checkpoint engine back.
@@ -233,12 +317,20 @@ class AsyncCheckpointer:
             self._await_handles(self.config.wait_timeout_s)
             self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
                           "the background writer thread to stop", self.config.wait_timeout_s)
+            if self._drainer is not None:
+                self._resume_drains()
+                self._await_handles(self.config.wait_timeout_s)
         finally:
+            if self._drainer is not None:
+                self._drainer.stop()
+                self._drainer.join(self.config.wait_timeout_s)
             self._closed = True
             inflight.unregister(self)
             self._pool.close()
             for storage in self._storages.values():
                 storage.close()
+            if self._local is not None:
+                self._local.close()
             self._store = self._last_job = None  # the store client (and the last job's reference to it) holds a socket
             self.engine.checkpoint_engine = self._previous_engine
             if self.engine.__dict__.get("save_checkpoint") == self._engine_save_checkpoint:
@@ -279,11 +371,11 @@ class AsyncCheckpointer:
         if client_state is not None and not isinstance(client_state, Mapping):
             raise UsageError(f"client_state must be a dict, got {type(client_state).__name__}")
         waited = self._await_buffers()
-        save_id = self._agree(storage, tag)
-        self._session = _Session(storage)
+        save_id, local = self._agree(storage, tag, tiered=self._local is not None and storage is self.storage)
+        self._session = _Session(self._local if local else storage)
         entered = time.perf_counter()
         try:
-            with deferred_clones():
+            with deferred_clones(), self._node_writes_model_states(local):
                 type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
                                                   save_latest=False,
                                                   exclude_frozen_parameters=exclude_frozen_parameters)
@@ -293,48 +385,59 @@ class AsyncCheckpointer:
         deepspeed_s = time.perf_counter() - entered
         deferred = [pair for f in files for pair in f.deferred]
         self._staging = self._pool.copy(deferred, background=True)
-        return self._submit(storage, tag, save_id, files, self._staging, started, save_latest=save_latest,
-                            extras_dir=self._save_extras(save_id),
+        return self._submit(self._local if local else storage, tag, save_id, files, self._staging, started,
+                            save_latest=save_latest, extras_dir=self._save_extras(save_id), tiered=local,
                             metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,
                                      "deepspeed_overhead_s": deepspeed_s - snapshot_s})
 
     def _submit(self, storage: Storage, tag: str, save_id: str, files: list[StagedFile], ticket: CopyTicket,
                 started: float, *, save_latest: bool, extras_dir: str | None, metrics: dict[str, float],
-                consolidated: bool = False, max_shard_bytes: int | None = None) -> SaveHandle:
-        """Hand a snapshotted save to the background writer; its handle's ``stall_s`` ends here."""
-        handle = SaveHandle(tag=tag, url=storage.url)
+                consolidated: bool = False, max_shard_bytes: int | None = None, tiered: bool = False) -> SaveHandle:
+        """Hand a snapshotted save to the background writer; its handle's ``stall_s`` ends here. A
+        ``tiered`` save is committed in ``storage`` (the local tier), then drained to the URL."""
+        handle = SaveHandle(tag=tag, url=self.storage.url if tiered else storage.url)
         job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=self.rank, world_size=self.world_size,
                       files=files, ticket=ticket, handle=handle, save_latest=save_latest,
                       handshake=Handshake(self._store, save_id, self.rank, self.world_size),
-                      keep_last=None if consolidated else self.config.keep_last, keep_every=self.config.keep_every,
-                      metadata=self._metadata(), extras_dir=extras_dir, consolidated=consolidated,
-                      max_shard_bytes=max_shard_bytes)
+                      keep_last=None if consolidated or tiered else self.config.keep_last,
+                      keep_every=self.config.keep_every, metadata=self._metadata(), extras_dir=extras_dir,
+                      consolidated=consolidated, max_shard_bytes=max_shard_bytes, tiered=tiered,
+                      node_ranks=self._node_ranks if tiered else ())
+        if self._local is not None:
+            metrics = {**metrics, "tier": "local" if tiered else "durable"}
         handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes, **metrics)
         self._last_job = job
         self._handles.append(handle)
         self._writer.submit(job)
         return handle
 
-    def _agree(self, storage: Storage, tag: str, *, replace_export: bool = False) -> str:
+    def _agree(self, storage: Storage, tag: str, *, replace_export: bool = False,
+               tiered: bool = False) -> tuple[str, bool]:
         """One collective on the training thread: same tag everywhere, a fresh save id, tag not committed
         (or uncommitted first: with ``overwrite_tags``, or with ``replace_export`` where the committed tag
-        is an earlier consolidated save, as DeepSpeed overwrites its 16-bit model file)."""
+        is an earlier consolidated save, as DeepSpeed overwrites its 16-bit model file).
+
+        With ``tiered``, also whether the save goes to the local tier (every rank's node folder has
+        room; else straight to the URL), and the drains to resume, which rank 0 lists after one failed.
+        Returns ``(save id, to the local tier)``.
+        """
         proposal = None
+        room = room_for(self._local.local_dir(), estimate_save_bytes(self.engine, self.world_size,
+                                                                     self._pool.allocated_bytes),
+                        self.config.local_tier_max_bytes) if tiered else (True, "")
         if self.rank == 0:
-            committed = storage.exists(manifest_path(tag))
-            proposal = (uuid.uuid4().hex, committed, committed and replace_export and _is_consolidated(storage, tag))
-        if self.world_size == 1:
-            views = [(tag, proposal)]
-        else:
-            views = [None] * self.world_size
-            dist.all_gather_object(views, (tag, proposal))
+            committed = storage.exists(manifest_path(tag)) or (tiered and self._local.exists(manifest_path(tag)))
+            redrain = self._drains_to_resume() if tiered and self._drain_failed else []
+            proposal = (uuid.uuid4().hex, committed, committed and replace_export and _is_consolidated(storage, tag),
+                        redrain)
+        views = self._gather((tag, proposal, room))
         tags = {v[0] for v in views}
         if len(tags) > 1:
             if self.engine.checkpoint_tag_validation_fail():
                 self.engine._checkpoint_tag_validation(tag)  # DeepSpeed's own check raises its own error
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
-        save_id, committed, replaceable = views[0][1]
+        save_id, committed, replaceable, redrain = views[0][1]
         if committed and not (replaceable or self.config.overwrite_tags):
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "
@@ -343,7 +446,88 @@ class AsyncCheckpointer:
             logger.warning("overwriting committed tag %s at %s: it is uncommitted until this save commits", tag,
                            storage.url)
             storage.delete(manifest_path(tag))  # uncommit first: a half-overwritten tag is never 'committed'
-        return save_id
+            if tiered and self._local.exists(manifest_path(tag)):
+                self._local.delete(manifest_path(tag))
+        self._start_drains(redrain)
+        full = [f"rank {r}: {why}" for r, (_, _, (fits, why)) in enumerate(views) if not fits]
+        if full and self.rank == 0:
+            logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,
+                           "; ".join(full), storage.url)
+        return save_id, tiered and not full
+
+    # ------------------------------------------------------------------ tiers
+    def _open_local_tier(self, path: str) -> None:
+        """Open this rank's node folder, learn which ranks share it, start the drainer thread."""
+        self._local = self._open(path)
+        nodes = nodes_from(self._gather(folder_identity(path)))
+        node = next(n for n in nodes if self.rank in n.ranks)
+        self._node_ranks = node.ranks
+        self._tier_leader = node.leader == self.rank
+        target = DrainTarget(local=self._local, durable=self.storage, keep_last=self.config.keep_last,
+                             keep_every=self.config.keep_every, local_keep_last=self.config.local_keep_last,
+                             tier_leader=self._tier_leader)
+        self._drainer = Drainer(self.rank, self.world_size, job_store(self.world_size), target,
+                                self.config.commit_timeout_s, self._record_drain_failure, nice=self.config.writer_nice,
+                                on_done=self.config.on_save_done)
+        if self.rank == 0:
+            logger.info("local tier %s on %d node(s) (ranks sharing a folder: %s), drained to %s", path, len(nodes),
+                        "; ".join(",".join(map(str, n.ranks)) for n in nodes), self.storage.url)
+
+    @contextlib.contextmanager
+    def _node_writes_model_states(self, local: bool) -> Iterator[None]:
+        """For a save to the local tier, the first rank of each node writes DeepSpeed's model-states file
+        too (as DeepSpeed's ``use_node_local_storage`` does), so every node folder holds all its ranks read."""
+        engine = self.engine
+        if not (local and self._tier_leader) or engine.save_non_zero_checkpoint:
+            yield
+            return
+        engine.save_non_zero_checkpoint = True
+        try:
+            yield
+        finally:
+            engine.save_non_zero_checkpoint = False
+
+    def _drain_later(self, job: SaveJob, outcome: Outcome) -> None:
+        """Writer thread: the save is committed on the local tier; queue its drain to the URL."""
+        manifest = Manifest.from_json(outcome.manifest) if outcome.manifest else read_manifest(self._local, job.tag)
+        if manifest is None:  # only a node whose commit record is missing: the drain's commit fails for all
+            manifest = Manifest(tag=job.tag, step=0, world_size=self.world_size, zero_stage=0, dtype="", files=[],
+                                save_id=job.save_id)
+        self._drainer.submit(DrainJob(manifest=manifest, drain_id=job.save_id, handle=job.handle,
+                                      metadata=job.metadata, started=job.started))
+
+    def _record_drain_failure(self, error: SaveFailedError, job: DrainJob) -> None:
+        self._record_failure(error)
+        self._drain_failed = True
+
+    def _drains_to_resume(self) -> list[tuple[str, str]]:
+        """Rank 0: ``(fresh drain id, manifest)`` of each tag its node folder holds committed but the URL
+        does not (a drain that failed or was cut short), oldest first."""
+        self._drain_failed = False
+        pending = undrained(self._local, self.storage, self._drainer.in_flight())
+        if pending:
+            logger.warning("resuming the drain of %d tag(s) committed locally but not at %s: %s", len(pending),
+                           self.storage.url, ", ".join(m.tag for m in pending))
+        return [(uuid.uuid4().hex, m.to_json().decode()) for m in pending]
+
+    def _resume_drains(self) -> None:
+        """At ``wrap()`` and ``close()``: every rank drains the tags rank 0 found undrained (a collective)."""
+        if self.world_size > 1 and not dist.is_initialized():
+            logger.warning("rank %d: the process group is gone; tags not yet drained stay on the local tier until "
+                           "the next wrap()", self.rank)
+            return
+        self._start_drains(self._gather(self._drains_to_resume() if self.rank == 0 else None)[0])
+
+    def _start_drains(self, drains: list[tuple[str, str]]) -> None:
+        for drain_id, raw in drains:
+            manifest = Manifest.from_json(raw)
+            handle = SaveHandle(tag=manifest.tag, url=self.storage.url)
+            handle._commit_local(SaveResult(tag=manifest.tag, url=self._local.url, bytes_written=manifest.total_bytes,
+                                            stall_s=0.0, persist_s=0.0, commit_s=0.0))
+            self._handles.append(handle)
+            metadata = {"step": manifest.step, "zero_stage": manifest.zero_stage, "dtype": manifest.dtype,
+                        "versions": manifest.versions}
+            self._drainer.submit(DrainJob(manifest=manifest, drain_id=drain_id, handle=handle, metadata=metadata))
 
     def _gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (one collective on the training thread, as DeepSpeed's own load does)."""
@@ -426,11 +610,13 @@ class AsyncCheckpointer:
                        "frequent than storage can absorb", waited, job.tag)
         return waited
 
-    def _await_handles(self, timeout_s: float) -> None:
-        """Every save so far committed or failed, within ``timeout_s`` in all."""
+    def _await_handles(self, timeout_s: float, *, local_only: bool = False) -> None:
+        """Every save so far committed (durably, or with ``local_only`` on its first tier) or failed,
+        within ``timeout_s`` in all."""
         deadline = time.monotonic() + timeout_s
         for handle in list(self._handles):
-            self._bounded(handle.wait, handle.tag, "the save to commit", max(0.0, deadline - time.monotonic()))
+            self._bounded(handle.wait_local if local_only else handle.wait, handle.tag, "the save to commit",
+                          max(0.0, deadline - time.monotonic()))
         self._handles = [h for h in self._handles if not h.done()]
 
     def _bounded(self, done: Callable[[float], bool], tag: str, what: str, timeout_s: float) -> None:
@@ -509,7 +695,7 @@ class AsyncCheckpointer:
         if not saved:  # DeepSpeed declined (ZeRO-3 without gathering on save) on every rank alike
             return False
         gather_s = time.perf_counter() - entered - snapshot_s
-        save_id = self._agree(storage, tag, replace_export=True)
+        save_id, _ = self._agree(storage, tag, replace_export=True)
         self._submit(storage, tag, save_id, files, CopyTicket([]), started, save_latest=False, extras_dir=None,
                      consolidated=True, metrics={"buffer_wait_s": waited, "gather_s": gather_s,
                                                  "snapshot_s": snapshot_s})

@@ -49,7 +49,11 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
     """This rank's files are durable: take part in the commit and return the outcome all ranks agree on."""
     job.handshake.report(entries=entries)
     if job.rank != 0:
-        return _await_outcome(job, 2 * timeout_s)  # rank 0 waits up to timeout_s for the others, then commits
+        outcome = _await_outcome(job, 2 * timeout_s)  # rank 0 waits up to timeout_s for the others, then commits
+        if outcome.committed and job.tier_leader and outcome.manifest:
+            node_manifest = Manifest.from_json(outcome.manifest).one_copy_each(job.node_ranks)
+            outcome.warnings.extend(_commit_node_tier(job, node_manifest.to_json()))
+        return outcome
     try:
         entries = job.handshake.gather(timeout_s)
     except HandshakeFailed as exc:
@@ -63,7 +67,8 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
         return _publish(job, Outcome(False, f"tag {job.tag!r}: a rank gave up waiting before rank 0 could commit "
                                             "(raise commit_timeout_s if the writes are this slow)", cleanup=True))
     started = time.perf_counter()
-    manifest = _manifest(job, entries)
+    everything = _manifest(job, entries)  # every rank's copies: a tiered save publishes them all
+    manifest = everything.one_copy_each()
     try:
         job.storage.write_bytes(manifest_path(job.tag), manifest.to_json())
     except Exception as exc:
@@ -72,7 +77,25 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
                                                 f"{type(exc).__name__}: {exc}. The tag's files stay for "
                                                 "`async-ckpt gc`"))
     job.handle.metrics["commit_s"] = time.perf_counter() - started
-    return _publish(job, Outcome(True, warnings=_after_commit(job)))
+    return _publish(job, Outcome(True, warnings=_after_commit(job),
+                                 manifest=everything.to_json().decode() if job.tiered else None))
+
+
+def _commit_node_tier(job: SaveJob, manifest: bytes) -> list[str]:
+    """Commit the tag on this node's own local tier, which rank 0 cannot see: the manifest rank 0
+    published, then ``latest`` and DeepSpeed's recovery scripts. Rank 0's commit holds regardless:
+    if this fails, this node's ranks restart from the durable tier instead."""
+    try:
+        _write_recovery_scripts(job.storage)
+        job.storage.write_bytes(manifest_path(job.tag), manifest)
+        if job.save_latest:
+            job.storage.write_bytes(LATEST, job.tag.encode())
+    except Exception as exc:
+        warning = (f"rank {job.rank} could not commit it on its node's tier {job.storage.url} ({type(exc).__name__}: "
+                   f"{exc}); that node's ranks restart from the durable tier")
+        logger.warning("tag %s is committed, but %s", job.tag, warning)
+        return [warning]
+    return []
 
 
 def _abort(job: SaveJob, error: str) -> Outcome:
@@ -137,15 +160,20 @@ def _write_extras(job: SaveJob) -> list[FileEntry]:
                 rel = os.path.relpath(local, job.extras_dir).replace(os.sep, "/")
                 entries.append(copy_local_file(storage, f"{job.tag}/{rel}", local, tag_dir=job.tag, rank=0))
         shutil.rmtree(job.extras_dir, ignore_errors=True)
-    scripts = {} if job.consolidated else installed_recovery_scripts()
-    for script, path in scripts.items():
+    if not job.consolidated:
+        _write_recovery_scripts(storage)
+    return entries
+
+
+def _write_recovery_scripts(storage: Storage) -> None:
+    """DeepSpeed's ``zero_to_fp32.py`` (and ``zero_to_torch.py``) into the root, executable as DeepSpeed leaves them."""
+    for script, path in installed_recovery_scripts().items():
         with open(path, "rb") as fh:
             storage.write_bytes(script, fh.read())
         local_root = storage.local_dir()
         if local_root:
             target = os.path.join(local_root, script)
             os.chmod(target, os.stat(target).st_mode | 0o111)
-    return entries
 
 
 def _manifest(job: SaveJob, entries: list[FileEntry]) -> Manifest:
@@ -155,7 +183,7 @@ def _manifest(job: SaveJob, entries: list[FileEntry]) -> Manifest:
         world_size=job.world_size,
         zero_stage=int(job.metadata.get("zero_stage", 0)),
         dtype=str(job.metadata.get("dtype", "fp32")),
-        files=sorted(entries, key=lambda e: e.path),
+        files=sorted(entries, key=lambda e: (e.path, e.rank)),
         versions=dict(job.metadata.get("versions", {})),
         timings={k: round(float(v), 6) for k, v in job.handle.metrics.items() if k.endswith("_s")},
         created_unix=time.time(),

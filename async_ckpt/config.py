@@ -74,6 +74,15 @@ class CheckpointConfig:
             overwritten in place, so until the new save commits that tag is gone, and if the save
             fails it stays gone (``load()`` then takes the newest other committed tag). Off, a
             reused tag raises :class:`~async_ckpt.TagExistsError` before anything is written.
+        local_tier: a node-local folder (NVMe, ``/dev/shm``) where each save is written and committed
+            first; each rank's drainer thread then copies the committed tag to ``url`` with a commit
+            of its own (see :mod:`async_ckpt.tiers`). It may be a different folder on every node: no
+            shared filesystem is needed. ``load()`` restarts from the nearest tier that holds a
+            rank's files. ``None``: saves go straight to ``url``.
+        local_keep_last: with ``local_tier``, how many committed tags each node folder keeps; older ones
+            are deleted only once they are committed at ``url``.
+        local_tier_max_bytes: with ``local_tier``, the most bytes each node folder may hold. A save that
+            would not fit (nor in the disk's free space) goes straight to ``url``, with a warning.
         on_save_done: called with the :class:`SaveHandle` once a save committed or failed, on
             every rank, from its writer thread: the hook for trackers (TensorBoard, W&B: log
             ``handle.metrics``, usually on rank 0 only). Exceptions it raises are logged and ignored.
@@ -99,6 +108,9 @@ class CheckpointConfig:
     keep_every: int | None = None
     writer_nice: int = 0
     overwrite_tags: bool = False
+    local_tier: str | None = None
+    local_keep_last: int = 2
+    local_tier_max_bytes: int | None = None
     on_save_done: Callable[["SaveHandle"], None] | None = None
 
     def __post_init__(self) -> None:
@@ -130,8 +142,32 @@ class CheckpointConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.on_save_done is not None and not callable(self.on_save_done):
             raise ConfigError(f"on_save_done must be a callable taking the SaveHandle, got {self.on_save_done!r}")
+        if self.local_tier is not None:
+            self._check_local_tier()
+        _integer("local_keep_last", self.local_keep_last, 1)
+        if self.local_tier_max_bytes is not None:
+            _integer("local_tier_max_bytes", self.local_tier_max_bytes, 1)
         if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir):
             raise ConfigError(f"cache_dir must be a folder path, got {self.cache_dir!r}")
+
+
+    def _check_local_tier(self) -> None:
+        """A local folder apart from ``url``: the tiers keep manifests and ``latest`` of their own."""
+        if not isinstance(self.local_tier, (str, os.PathLike)) or not os.fspath(self.local_tier).strip():
+            raise ConfigError(f"local_tier must be a local folder path, got {self.local_tier!r}")
+        path = os.fspath(self.local_tier)
+        if path.startswith("file://"):
+            path = path[len("file://"):]
+        if "://" in path:
+            raise ConfigError(f"local_tier must be a node-local folder (NVMe, /dev/shm), not a URL: {path!r}; put "
+                              "the object store in url")
+        path = os.path.abspath(os.path.expanduser(path))
+        object.__setattr__(self, "local_tier", path)
+        if "://" not in self.url:
+            durable = os.path.abspath(os.path.expanduser(self.url))
+            if os.path.commonpath([path, durable]) in (path, durable):
+                raise ConfigError(f"local_tier {path!r} and url {durable!r} overlap; each tier needs a folder of its "
+                                  "own (each keeps its own manifests and 'latest')")
 
 
 def _integer(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:

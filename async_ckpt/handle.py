@@ -28,17 +28,25 @@ class SaveResult:
 
 @dataclass
 class SaveHandle:
-    """Tracks one save. ``done()`` is true once it committed or failed.
+    """Tracks one save. ``done()`` is true once it is durably committed or failed.
+
+    With a local tier (``wrap(..., local_tier=PATH)``) a save is committed twice: first on the
+    node-local tier (:meth:`local_done`, :meth:`wait_local`, :meth:`local_result`: a process restart
+    can resume from it), then at the durable URL once the drain copied it there (:meth:`done`,
+    :meth:`wait`, :meth:`result`). Without a local tier both moments are the same commit.
 
     ``metrics`` fills in as the save progresses: ``stall_s`` (time the training loop was blocked
     in ``save()``), ``staging_bytes``, then ``persist_s``, ``bytes_written``,
     ``upload_buffer_peak_bytes`` (object stores: the most part memory the uploader has held so
-    far, bounded by ``(max_concurrency + 1) * part_size``) and ``commit_s``.
+    far, bounded by ``(max_concurrency + 1) * part_size``) and ``commit_s``; with a local tier also
+    ``local_committed_s`` and ``durable_s`` (seconds from ``save()`` to each commit), ``drain_s``
+    and ``tier`` (``"local"``, or ``"durable"`` when the save went straight to the URL).
     """
 
     tag: str
     url: str
     _future: Future = field(default_factory=Future, repr=False)
+    _local: Future = field(default_factory=Future, repr=False)
     metrics: dict[str, Any] = field(default_factory=dict)
 
     def done(self) -> bool:
@@ -59,8 +67,31 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
 
+    def local_done(self) -> bool:
+        """Committed on the first tier (the local tier, or the URL without one), or failed."""
+        return self._local.done()
+
+    def wait_local(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`local_done`, at most ``timeout`` seconds; return it."""
+        try:
+            self._local.exception(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def local_result(self, timeout: float | None = None) -> SaveResult:
+        """Block until committed on the first tier (its ``url`` says which); re-raise its failure."""
+        return self._local.result(timeout)
+
+    def _commit_local(self, result: SaveResult) -> None:
+        if not self._local.done():
+            self._local.set_result(result)
+
     def _succeed(self, result: SaveResult) -> None:
+        self._commit_local(result)
         self._future.set_result(result)
 
     def _fail(self, exc: BaseException) -> None:
+        if not self._local.done():
+            self._local.set_exception(exc)
         self._future.set_exception(exc)

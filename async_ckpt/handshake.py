@@ -64,6 +64,9 @@ class Outcome:
     warnings: list[str] = field(default_factory=list)
     #: Whether ranks may delete their files of the tag: only when no manifest can ever appear.
     cleanup: bool = False
+    #: The committed manifest (JSON), for ranks that must write it into a tier of their own (a
+    #: node-local tier that rank 0 cannot see) and drain the tag from it.
+    manifest: str | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()

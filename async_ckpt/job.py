@@ -35,8 +35,18 @@ class SaveJob:
     #: ``None``: every staged file is torch.saved as DeepSpeed handed it over. A number: the one
     #: staged dict is a whole model, written as safetensors shards of at most this many bytes.
     max_shard_bytes: int | None = None
+    #: A save to the node-local tier (see :mod:`async_ckpt.tiers`): rank 0 publishes the manifest with
+    #: the outcome, and once committed the tag is drained to the durable tier.
+    tiered: bool = False
+    #: With a local tier: the ranks that share this rank's node folder (the first one, if not rank 0,
+    #: writes the published manifest there).
+    node_ranks: tuple[int, ...] = ()
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def tier_leader(self) -> bool:
+        return bool(self.node_ranks) and self.node_ranks[0] == self.rank
 
     @property
     def staged_bytes(self) -> int:

@@ -8,8 +8,8 @@ one without trusting ``latest``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable
 
 from async_ckpt.errors import CorruptManifestError
 
@@ -58,6 +58,19 @@ class Manifest:
 
     def entry(self, path: str) -> FileEntry | None:
         return next((f for f in self.files if f.path == path), None)
+
+    def one_copy_each(self, preferred: Iterable[int] = ()) -> "Manifest":
+        """This manifest listing each path once: the copy a ``preferred`` rank wrote, else the lowest rank's.
+
+        With a local tier, the first rank of every node writes the model-states file into its node's
+        folder. DeepSpeed's copies differ between ranks in a few bytes (``shared_params`` is found by
+        data pointer), so each node's manifest lists its own copy, and the durable tier rank 0's.
+        """
+        preferred = set(preferred)
+        chosen: dict[str, FileEntry] = {}
+        for entry in sorted(self.files, key=lambda e: (e.rank not in preferred, e.rank)):
+            chosen.setdefault(entry.path, entry)
+        return replace(self, files=sorted(chosen.values(), key=lambda e: e.path))
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()

@@ -40,7 +40,11 @@ def lower_thread_priority(nice: int) -> None:
 class BackgroundWriter:
     def __init__(self, rank: int, commit_timeout_s: float,
                  on_failure: Callable[[SaveFailedError], None], *, nice: int = 0, exact_bytes: bool = False,
-                 cache_dir: str, on_done: Callable[[SaveHandle], None] | None = None) -> None:
+                 cache_dir: str, on_done: Callable[[SaveHandle], None] | None = None,
+                 on_local_commit: Callable[[SaveJob, Outcome], None] | None = None) -> None:
+        """``on_local_commit`` takes over a committed save to the local tier (``job.tiered``): the drain
+        resolves its handle."""
+        self._on_local_commit = on_local_commit
         self._rank = rank
         self._cache_dir = cache_dir
         self._on_done = on_done
@@ -72,7 +76,7 @@ class BackgroundWriter:
         lower_thread_priority(self._nice)
         while (job := self._queue.get()) is not None:
             self._execute(job)
-            if self._on_done is not None:
+            if self._on_done is not None and job.handle.done():
                 try:
                     self._on_done(job.handle)
                 except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread
@@ -117,15 +121,22 @@ class BackgroundWriter:
             self._fail(job, SaveFailedError(f"{outcome.error}. The previous checkpoint and 'latest' are unchanged.",
                                             tag=job.tag), written, cleanup=outcome.cleanup)
             return
-        metrics["durable_s"] = time.perf_counter() - job.started
+        handed_over = job.tiered and self._on_local_commit is not None
+        metrics["local_committed_s" if handed_over else "durable_s"] = time.perf_counter() - job.started
         result = SaveResult(tag=job.tag, url=job.storage.url, bytes_written=metrics["bytes_written"],
                             stall_s=metrics.get("stall_s", 0.0), persist_s=metrics["persist_s"],
                             commit_s=metrics.get("commit_s", 0.0), warnings=tuple(outcome.warnings))
         if job.rank == 0:
             logger.info("saved %s to %s: %.3f GB on rank 0, stall %.3f s, persist %.2f s (%.2f GB/s on rank 0), "
-                        "durable after %.2f s", job.tag, job.storage.url, result.bytes_written / 1e9,
-                        result.stall_s, result.persist_s, result.persist_gbps, metrics["durable_s"])
-        job.handle._succeed(result)
+                        "%s after %.2f s", job.tag, job.storage.url, result.bytes_written / 1e9,
+                        result.stall_s, result.persist_s, result.persist_gbps,
+                        "committed on the local tier" if handed_over else "durable",
+                        metrics["local_committed_s" if handed_over else "durable_s"])
+        if handed_over:
+            job.handle._commit_local(result)
+            self._on_local_commit(job, outcome)
+        else:
+            job.handle._succeed(result)
 
     @staticmethod
     def _acknowledge(job: SaveJob) -> None:

@@ -1,0 +1,193 @@
+"""The drainer: one thread per rank that copies tags committed on the local tier to the durable URL.
+
+It is a thread of its own, not more work for the writer thread, so that the next save's local write
+and commit never wait behind a drain to object storage, which takes many times longer. Drains run in
+save order on every rank; each copies this rank's files of the tag (those the manifest lists under
+this rank) from its node's folder, checks that every copy has the committed size and CRC-32 (a local
+file that rotted is never made durable), and then commits the tag at the URL exactly as a direct save
+commits (:func:`async_ckpt.commit.commit`, through the job's c10d store under keys of its own): the
+manifest, then ``latest``, then ``keep_last`` retention. A drain that fails or is cut short leaves the
+URL's ``latest`` and tags as they were; the local tier keeps the tag, and the next ``save()``,
+``close()`` or ``wrap()`` drains it again (:func:`async_ckpt.tiers.undrained`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from async_ckpt import commit
+from async_ckpt.errors import SaveFailedError
+from async_ckpt.handle import SaveHandle, SaveResult
+from async_ckpt.handshake import Handshake, Outcome, brief
+from async_ckpt.job import SaveJob
+from async_ckpt.manifest import FileEntry, Manifest
+from async_ckpt.serialization import copy_local_file
+from async_ckpt.staging import CopyTicket
+from async_ckpt.storage.base import Storage
+from async_ckpt.tiers import prune_local
+from async_ckpt.writer import lower_thread_priority
+
+logger = logging.getLogger("async_ckpt")
+
+
+@dataclass
+class DrainJob:
+    """One tag to copy from this node's folder to the durable URL."""
+
+    manifest: Manifest
+    #: Unique per attempt (the save's id for the first one): the store keys of this drain's commit.
+    drain_id: str
+    handle: SaveHandle
+    metadata: dict[str, Any]
+    #: When ``save()`` started (``durable_s`` counts from there); for a drain after a restart, now.
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def tag(self) -> str:
+        return self.manifest.tag
+
+
+@dataclass(frozen=True)
+class DrainTarget:
+    """Where drains go and what each tier keeps."""
+
+    local: Storage
+    durable: Storage
+    keep_last: int | None
+    keep_every: int | None
+    local_keep_last: int
+    #: This rank is the first of its node: it applies the node folder's retention.
+    tier_leader: bool
+
+
+class Drainer:
+    def __init__(self, rank: int, world_size: int, store: Any, target: DrainTarget, commit_timeout_s: float,
+                 on_failure: Callable[[SaveFailedError, DrainJob], None], *, nice: int = 0,
+                 on_done: Callable[[SaveHandle], None] | None = None) -> None:
+        self._rank = rank
+        self._world_size = world_size
+        self._store = store  # the drainer's own client of the job's store: the writer thread has another
+        self._target = target
+        self._commit_timeout_s = commit_timeout_s
+        self._on_failure = on_failure
+        self._on_done = on_done
+        self._nice = nice
+        self._queue: queue.Queue[DrainJob | None] = queue.Queue()
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"async_ckpt-drainer-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: DrainJob) -> None:
+        with self._lock:
+            self._pending.add(job.tag)
+        self._queue.put(job)
+
+    def in_flight(self) -> set[str]:
+        """Tags queued or being drained now."""
+        with self._lock:
+            return set(self._pending)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def join(self, timeout: float | None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        lower_thread_priority(self._nice)
+        while (job := self._queue.get()) is not None:
+            try:
+                self._drain(job)
+            finally:
+                with self._lock:
+                    self._pending.discard(job.tag)
+            if self._on_done is not None:
+                try:
+                    self._on_done(job.handle)
+                except BaseException:  # noqa: BLE001 - a callback must never stop the drainer
+                    logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
+
+    def _drain(self, job: DrainJob) -> None:
+        target, metrics = self._target, job.handle.metrics
+        started = time.perf_counter()
+        commit_job = SaveJob(tag=job.tag, save_id=job.manifest.save_id, storage=target.durable, rank=self._rank,
+                             world_size=self._world_size, files=[], ticket=CopyTicket([]),
+                             handle=SaveHandle(tag=job.tag, url=target.durable.url, metrics=dict(metrics)),
+                             handshake=Handshake(self._store, f"{job.drain_id}-drain", self._rank, self._world_size),
+                             save_latest=job.manifest.sets_latest, keep_last=target.keep_last,
+                             keep_every=target.keep_every, metadata=job.metadata)
+        try:
+            entries = self._copy(job)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
+            error = f"rank {self._rank} could not drain it: {type(exc).__name__}: {exc}"
+            try:
+                commit.report_failure(commit_job, error)
+            except Exception as store_exc:
+                logger.debug("could not report the failed drain of %s: %s", job.tag, store_exc)
+            self._acknowledge(commit_job)
+            self._fail(job, error)
+            return
+        try:
+            outcome = commit.commit(commit_job, entries, self._commit_timeout_s)
+        except Exception as exc:
+            outcome = Outcome(False, f"the commit handshake through the job's c10d store failed on rank {self._rank} "
+                                     f"({brief(exc)})")
+        self._acknowledge(commit_job)
+        if not outcome.committed:
+            self._fail(job, outcome.error or "not committed")
+            return
+        metrics.update(drain_s=time.perf_counter() - started, durable_s=time.perf_counter() - job.started,
+                       durable_commit_s=commit_job.handle.metrics.get("commit_s", 0.0))
+        if target.tier_leader:
+            try:
+                prune_local(target.local, target.durable, target.local_keep_last)
+            except Exception as exc:
+                logger.warning("local retention on %s failed (%s: %s); older tags stay until the next drain",
+                               target.local.url, type(exc).__name__, exc)
+        if self._rank == 0:
+            logger.info("drained %s to %s: durable %.2f s after save() (drain %.2f s)", job.tag, target.durable.url,
+                        metrics["durable_s"], metrics["drain_s"])
+        local = job.handle.local_result() if job.handle.local_done() else None
+        job.handle._succeed(SaveResult(
+            tag=job.tag, url=target.durable.url, bytes_written=sum(e.size for e in entries),
+            stall_s=metrics.get("stall_s", 0.0), persist_s=local.persist_s if local else 0.0,
+            commit_s=metrics.get("durable_commit_s", 0.0), warnings=tuple(outcome.warnings)))
+
+    def _copy(self, job: DrainJob) -> list[FileEntry]:
+        """This rank's files of the tag, from the node folder to the URL, each checked against the manifest."""
+        root = self._target.local.local_dir()
+        copied = []
+        for entry in job.manifest.one_copy_each().files:
+            if entry.rank != self._rank:
+                continue
+            source = os.path.join(root, job.tag, *entry.path.split("/"))
+            done = copy_local_file(self._target.durable, f"{job.tag}/{entry.path}", source, tag_dir=job.tag,
+                                   rank=self._rank)
+            if (done.size, done.crc32) != (entry.size, entry.crc32):
+                raise SaveFailedError(f"{source} changed since its commit (size {done.size}, crc32 {done.crc32}; "
+                                      f"committed {entry.size}, {entry.crc32}): not made durable", tag=job.tag)
+            copied.append(done)
+        return copied
+
+    def _fail(self, job: DrainJob, error: str) -> None:
+        failure = SaveFailedError(f"tag {job.tag!r} is committed on the local tier but its drain to "
+                                  f"{self._target.durable.url} failed: {error}. The durable tier's tags and 'latest' "
+                                  "are unchanged; the next save(), close() or wrap() drains it again", tag=job.tag)
+        logger.error("rank %d: %s", self._rank, failure)
+        self._on_failure(failure, job)
+        job.handle._fail(failure)
+
+    @staticmethod
+    def _acknowledge(job: SaveJob) -> None:
+        try:
+            job.handshake.acknowledge()
+        except Exception as exc:
+            logger.debug("could not acknowledge the drain outcome of %s: %s", job.tag, exc)

@@ -1,0 +1,188 @@
+"""Tiered checkpoints: a fast node-local tier first, the durable URL second, restart from the nearest.
+
+With ``wrap(engine, url, local_tier=PATH)`` a save is written and committed on ``PATH`` (NVMe or
+``/dev/shm`` of each node), which takes seconds, and then drained to ``url`` (S3, NFS, any fsspec URL)
+by each rank's drainer thread (:mod:`async_ckpt.drain`) with a commit of its own. Each tier has its
+own manifest, ``latest`` and retention.
+
+No shared filesystem is needed. ``PATH`` may be a different folder on every node (or, on one
+machine, per simulated node): the ranks that see the same folder form a *node*, found once at
+``wrap()`` by comparing what each rank sees (host name and the folder's device and inode). The
+commit agreement goes through the job's c10d store as always (:mod:`async_ckpt.handshake`); rank 0
+publishes the manifest with its outcome and the first rank of every other node writes it into that
+node's folder. So that a node's folder holds every file its ranks read on a restart, the first rank of
+each node also writes DeepSpeed's model-states file there, as DeepSpeed's own
+``use_node_local_storage`` does; the manifest lists that path once and the drain uploads rank 0's copy.
+
+Restart (:func:`choose_tag`): the newest tag that every rank can read from some tier: from its
+node's folder if the tag is committed there, else from the durable URL. Each rank then reads from
+the nearest tier that holds its files intact (verified) and logs which one it used.
+
+Retention: ``local_keep_last`` tags stay in a node's folder; an older one is deleted only once its
+drain committed it at the URL (the same save), so the local tier never holds the only copy of a tag
+that retention removes. ``keep_last`` applies to the URL as without tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from async_ckpt.catalog import list_tags, read_latest, read_manifest
+from async_ckpt.layout import manifest_path
+from async_ckpt.manifest import Manifest
+from async_ckpt.storage.base import Storage
+
+logger = logging.getLogger("async_ckpt")
+
+#: A local save needs this much more free space than the previous save's bytes (or the estimate).
+SPACE_MARGIN = 1.1
+
+
+@dataclass(frozen=True)
+class Node:
+    """The ranks that share one local-tier folder."""
+
+    index: int
+    ranks: tuple[int, ...]
+
+    @property
+    def leader(self) -> int:
+        """The rank that writes the manifest, ``latest`` and the model states into the node's folder."""
+        return self.ranks[0]
+
+
+def folder_identity(path: str) -> tuple[str, int, int]:
+    """What tells two ranks' folders apart: the host, and the folder's device and inode there."""
+    os.makedirs(path, exist_ok=True)
+    stat = os.stat(path)
+    return socket.gethostname(), stat.st_dev, stat.st_ino
+
+
+def nodes_from(identities: list[tuple[str, int, int]]) -> list[Node]:
+    """Group ranks by the folder they see (``identities[r]`` is rank r's); nodes ordered by first rank."""
+    groups: dict[tuple[str, int, int], list[int]] = {}
+    for rank, identity in enumerate(identities):
+        groups.setdefault(tuple(identity), []).append(rank)
+    return [Node(i, tuple(ranks)) for i, ranks in enumerate(sorted(groups.values()))]
+
+
+def tier_bytes(root: str) -> int:
+    """Bytes of every file under ``root`` (what the local tier holds now)."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def room_for(root: str, needed: int, max_bytes: int | None) -> tuple[bool, str]:
+    """Whether ``needed`` bytes (with a margin) fit in the local tier: free disk space and the
+    ``local_tier_max_bytes`` quota. Returns ``(fits, why not)``."""
+    wanted = int(needed * SPACE_MARGIN)
+    free = shutil.disk_usage(root).free
+    if free < wanted:
+        return False, f"{free / 1e9:.2f} GB free on {root}, about {wanted / 1e9:.2f} GB needed"
+    if max_bytes is not None:
+        held = tier_bytes(root)
+        if held + wanted > max_bytes:
+            return False, (f"{root} holds {held / 1e9:.2f} GB; another {wanted / 1e9:.2f} GB would exceed "
+                           f"local_tier_max_bytes={max_bytes}")
+    return True, ""
+
+
+def committed_view(storage: Storage) -> dict[str, tuple[int, float, bool, str]]:
+    """``tag -> (step, created, sets_latest, save_id)`` of the resumable tags committed in ``storage``
+    (not universal, not consolidated; corrupt manifests are skipped with a warning by the caller)."""
+    return {info.tag: (info.manifest.step, info.manifest.created_unix, info.manifest.sets_latest,
+                       info.manifest.save_id)
+            for info in list_tags(storage)
+            if info.committed and not info.manifest.universal and not info.manifest.consolidated}
+
+
+def choose_tag(tag: str | None, local_views: list[dict[str, Any]],
+               durable_view: dict[str, Any]) -> tuple[str | None, str]:
+    """The tag every rank can read from some tier: ``tag`` if given, else the newest such tag.
+
+    ``local_views[r]`` is what rank r's node folder holds committed; a tag committed at the URL is
+    readable by every rank. Tags saved with ``save_latest=False`` are taken only when named, as
+    without tiers. Returns ``(tag, None-or-why not)``; the tag is ``None`` when there is none.
+    """
+    shared_local = set.intersection(*(set(v) for v in local_views)) if local_views else set()
+    readable = {t: durable_view.get(t) or local_views[0][t] for t in set(durable_view) | shared_local}
+    if tag is not None:
+        if tag in readable:
+            return tag, ""
+        holders = [r for r, v in enumerate(local_views) if tag in v]
+        return None, (f"tag {tag!r} is not committed at the durable URL, and only rank(s) {holders} hold it "
+                      "committed in their node's local tier" if holders else
+                      f"tag {tag!r} is committed in no tier")
+    candidates = sorted(((v[0], v[1], t) for t, v in readable.items() if v[2]), reverse=True)
+    if not candidates:
+        return None, "no tag is committed at the durable URL or in every node's local tier"
+    return candidates[0][2], ""
+
+
+def prune_local(local: Storage, durable: Storage, keep: int) -> list[str]:
+    """Delete a node folder's oldest tags beyond ``keep``, only those the durable tier holds committed
+    from the same save (never the only copy of a tag, never the one ``latest`` names)."""
+    committed = [info for info in list_tags(local)
+                 if info.committed and not info.manifest.universal and not info.manifest.consolidated]
+    latest = read_latest(local)
+    deleted = []
+    for info in committed[:-keep] if len(committed) > keep else []:
+        if info.tag == latest:
+            continue
+        try:
+            durable_manifest = read_manifest(durable, info.tag)
+        except Exception as exc:  # a corrupt or unreadable durable copy is no copy
+            logger.debug("local retention keeps %s: its durable manifest cannot be read (%s)", info.tag, exc)
+            continue
+        if durable_manifest is None or durable_manifest.save_id != info.manifest.save_id:
+            continue
+        logger.info("local retention: deleting %s from %s (durable at %s; local_keep_last=%d)", info.tag, local.url,
+                    durable.url, keep)
+        local.delete(manifest_path(info.tag))  # uncommit first, as on any tier
+        local.delete(info.tag, recursive=True)
+        deleted.append(info.tag)
+    return deleted
+
+
+def undrained(local: Storage, durable: Storage, in_flight: set[str]) -> list[Manifest]:
+    """Tags committed in this node's folder but not at the URL, newer than the URL's newest committed tag
+    and not being drained now: what a drain that was cut short (a crash, a failure) left behind.
+    Oldest first, so that draining them in order moves the durable ``latest`` forward only."""
+    durable_tags = committed_view(durable)
+    newest = max(((step, created) for step, created, _, _ in durable_tags.values()), default=None)
+    pending = []
+    for info in list_tags(local):
+        manifest = info.manifest
+        if manifest is None or manifest.universal or manifest.consolidated or info.tag in in_flight:
+            continue
+        if info.tag in durable_tags and durable_tags[info.tag][3] == manifest.save_id:
+            continue
+        if newest is not None and (manifest.step, manifest.created_unix) <= newest:
+            continue
+        pending.append(manifest)
+    return sorted(pending, key=lambda m: (m.step, m.created_unix))
+
+
+def estimate_save_bytes(engine: Any, world_size: int, previous: int) -> int:
+    """This rank's bytes in one save: the previous save's, else an estimate from the model (mixed-precision
+    Adam holds about 16 bytes per parameter: weights, fp32 master copy and two moments) over the ranks."""
+    if previous:
+        return previous
+    params = sum(p.numel() for p in engine.module.parameters())
+    return 16 * params // max(world_size, 1)
+
+
+def log_tier(rank: int, tag: str, tier: str, where: str, why: str = "") -> None:
+    logger.info("rank %d resumes %s from the %s tier %s%s", rank, tag, tier, where, f" ({why})" if why else "")
+

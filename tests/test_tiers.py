@@ -1,0 +1,164 @@
+"""Tiered checkpoints: two simulated nodes (each rank sees only its own local-tier folder), the durable
+tier on a real S3 API (moto). Saves commit locally, drain to the bucket; restarts read from the nearest
+tier; a drain cut short by a kill is redone; a full local tier falls back to the bucket."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import tier_tasks
+from async_ckpt import ConfigError, wrap
+from async_ckpt.catalog import read_latest, read_manifest
+from async_ckpt.launch import RankError
+from async_ckpt.storage import open_storage
+from s3_server import FaultProxy, options
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_server(s3):
+    s3.reset()
+
+
+@pytest.fixture(scope="module")
+def run(s3, ranks, tmp_path_factory):
+    """Save a, b, c in tiers; resume in a new job; wipe node 1's folder and resume again."""
+    bucket = s3.make_bucket("tiers")
+    url, work = f"s3://{bucket}/run", tmp_path_factory.mktemp("tiers")
+    opts = options(s3.endpoint)
+    saved = ranks.run(tier_tasks.save_in_tiers, url, opts, str(work))
+    listing = {rank: sorted(p.name for p in (work / f"node{rank}").iterdir()) for rank in range(2)}
+    files = {rank: sorted(p.name for p in (work / f"node{rank}" / "c").iterdir())
+             for rank in range(2)}
+    ranks.restart()
+    resumed = ranks.run(tier_tasks.resume_in_tiers, url, opts, str(work), str(work / "stock"))
+    shutil.rmtree(work / "node1")
+    ranks.restart()
+    wiped = ranks.run(tier_tasks.resume_in_tiers, url, opts, str(work))
+    full = ranks.run(tier_tasks.save_to_a_full_local_tier, f"{url}-direct", opts, str(work))
+    return {"url": url, "work": work, "opts": opts, "saved": saved, "listing": listing, "files": files,
+            "resumed": resumed, "wiped": wiped, "full": full}
+
+
+def _durable(run, url=None):
+    return open_storage(url or run["url"], run["opts"])
+
+
+def test_a_save_commits_on_the_local_tier_before_it_is_durable(run):
+    for rank, out in enumerate(run["saved"]):
+        assert out["local_done_first"] is True
+        for tag in "abc":
+            moments = out[tag]
+            assert moments["tier"] == "local"
+            assert moments["local_url"] == str(run["work"] / f"node{rank}")
+            assert moments["durable_url"] == run["url"]
+            assert 0 < moments["local_committed_s"] < moments["durable_s"]
+
+
+def test_every_tag_is_committed_in_the_bucket_with_latest_on_the_newest(run):
+    durable = _durable(run)
+    assert all(read_manifest(durable, tag) is not None for tag in "abc")
+    assert read_latest(durable) == "c"
+
+
+def test_the_bucket_holds_the_files_the_node_folders_committed(run):
+    durable, local = _durable(run), open_storage(str(run["work"] / "node0"))
+    assert read_manifest(durable, "c").files == read_manifest(local, "c").files
+
+
+def test_each_node_folder_holds_what_its_ranks_read_and_no_other_ranks_shard(run):
+    for rank, other in ((0, 1), (1, 0)):
+        files = run["files"][rank]
+        assert "mp_rank_00_model_states.pt" in files and "async_ckpt_manifest.json" in files
+        assert any(f.startswith(f"zero_pp_rank_{rank}_") for f in files)
+        assert not any(f.startswith(f"zero_pp_rank_{other}_") for f in files)
+
+
+def test_local_retention_keeps_local_keep_last_tags_and_the_bucket_keeps_all(run):
+    for rank in range(2):
+        tags = [name for name in run["listing"][rank] if name in ("a", "b", "c")]
+        assert tags == ["b", "c"]
+
+
+def test_a_restarted_job_resumes_the_newest_tag_from_each_nodes_own_folder(run):
+    for rank, out in enumerate(run["resumed"]):
+        assert out["tag"] == "c"
+        assert out["losses"] == run["saved"][rank]["losses_after_c"]
+        assert any(f"rank {rank} resumes c from the local tier" in line for line in out["tiers_used"])
+
+
+def test_a_tag_only_in_the_bucket_resumes_from_it_bitwise_like_stock_deepspeed(run):
+    for rank, out in enumerate(run["resumed"]):
+        assert out["named_tag"] == "a"
+        assert any(f"rank {rank} resumes a from the durable tier" in line for line in out["tiers_used"])
+        assert out["losses_named"] == out["losses_stock"] == run["saved"][rank]["losses_after_a"]
+
+
+def test_a_wiped_node_folder_resumes_from_the_bucket_and_the_other_node_from_its_own(run):
+    wiped = run["wiped"]
+    assert [out["tag"] for out in wiped] == ["c", "c"]
+    assert any("rank 0 resumes c from the local tier" in line for line in wiped[0]["tiers_used"])
+    assert any("rank 1 resumes c from the durable tier" in line for line in wiped[1]["tiers_used"])
+    for rank in range(2):
+        assert wiped[rank]["losses"] == run["saved"][rank]["losses_after_c"]
+
+
+def test_a_full_local_tier_saves_straight_to_the_bucket_with_a_warning(run):
+    for out in run["full"]:
+        assert out["tier"] == "durable" and out["url"] == out["local_url"] == f"{run['url']}-direct"
+    assert any("local_tier_max_bytes=1" in line for line in run["full"][0]["warnings"])
+    assert read_manifest(_durable(run, f"{run['url']}-direct"), "direct") is not None
+    assert not (run["work"] / "node0" / "direct").exists()
+
+
+@pytest.fixture(scope="module")
+def killed(run, s3, ranks):
+    """Kill rank 1 while its drain of 'd' is held in flight by a proxy; then start the next job."""
+    work, proxy = run["work"], FaultProxy(s3.endpoint)
+    try:
+        with pytest.raises(RankError, match="died") as info:
+            ranks.run(tier_tasks.killed_mid_drain, run["url"], options(proxy.endpoint), str(work), proxy.endpoint,
+                      str(work / "killed"), timeout_s=240)
+    finally:
+        proxy.stop()
+    durable = _durable(run)
+    after_kill = {"latest": read_latest(durable), "d_committed": read_manifest(durable, "d") is not None}
+    ranks.restart()
+    before = [json.loads((work / f"killed.{r}.json").read_text()) for r in range(2)]
+    resumed = ranks.run(tier_tasks.resume_after_killed_drain, run["url"], run["opts"], str(work))
+    return {"error": str(info.value), "after_kill": after_kill, "before": before, "resumed": resumed,
+            "latest_after": read_latest(durable), "d_after": read_manifest(durable, "d") is not None}
+
+
+def test_a_kill_mid_drain_leaves_the_buckets_latest_and_tags_unchanged(killed):
+    assert "died (exit code -9)" in killed["error"]
+    assert all(out["local_committed"] for out in killed["before"])
+    assert killed["after_kill"] == {"latest": "c", "d_committed": False}
+
+
+def test_after_a_kill_mid_drain_the_next_job_resumes_from_the_local_tiers(killed):
+    for rank, out in enumerate(killed["resumed"]):
+        assert out["tag"] == "d"
+        assert out["losses"] == killed["before"][rank]["losses_after_d"]
+        assert any(f"rank {rank} resumes d from the local tier" in line for line in out["tiers_used"])
+
+
+def test_the_next_job_drains_the_tag_a_kill_cut_short(killed):
+    assert any("d" in line for line in killed["resumed"][0]["resumed_drain"])
+    assert killed["d_after"] is True and killed["latest_after"] == "d"
+
+
+@pytest.mark.parametrize("local_tier,why", [("s3://bucket/fast", "not a URL"), ("{url}/inside", "overlap")])
+def test_a_local_tier_that_is_a_url_or_inside_the_durable_folder_is_refused_before_anything_is_written(
+        tmp_path, local_tier, why):
+    url = str(tmp_path / "durable")
+    with pytest.raises(ConfigError, match=why):
+        wrap(object(), url, local_tier=local_tier.format(url=url))
+    assert not (tmp_path / "durable").exists()
+
+
+def test_local_keep_last_must_be_positive(tmp_path):
+    with pytest.raises(ConfigError, match="local_keep_last"):
+        wrap(object(), str(tmp_path / "durable"), local_tier=str(tmp_path / "fast"), local_keep_last=0)

@@ -1,0 +1,126 @@
+"""Rank functions for tests/test_tiers.py: two simulated nodes, each rank seeing only its own local-tier
+folder (``node{rank}``), the durable tier on the moto S3 server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+import torch.distributed as dist
+
+import async_ckpt
+from async_ckpt import workload
+from rank_tasks import STEPS_AFTER, async_ckpt_log
+
+STAGE = 2  # ZeRO-2: rank 1 reads the model-states file that rank 0 writes, so node folders must each hold one
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def node_folder(work: str, rank: int) -> str:
+    return os.path.join(work, f"node{rank}")
+
+
+def _wrap(engine, url: str, options: dict, work: str, **extra):
+    return async_ckpt.wrap(engine, url, storage_options=options, local_tier=node_folder(work, _rank()),
+                           keep_last=3, local_keep_last=2, cache_dir=os.path.join(work, f"cache{_rank()}"), **extra)
+
+
+def _moments(handle) -> dict:
+    local = handle.local_result(timeout=120)
+    durable = handle.result(timeout=120)
+    return {"local_url": local.url, "durable_url": durable.url, "tier": handle.metrics["tier"],
+            "local_committed_s": handle.metrics["local_committed_s"], "durable_s": handle.metrics["durable_s"]}
+
+
+def save_in_tiers(url: str, options: dict, work: str) -> dict:
+    """Stock save at step 3 (the reference), then tiered saves 'a' (same step), 'b', 'c' with training between."""
+    tokens = workload.token_stream()
+    engine = workload.make_engine(STAGE, "fp32")
+    workload.train(engine, 3, tokens, _rank())
+    type(engine).save_checkpoint(engine, os.path.join(work, "stock"), tag="a")
+    out: dict = {}
+    with _wrap(engine, url, options, work, tokenizer=workload.build_tokenizer()) as ckpt:
+        handle = ckpt.save(tag="a")
+        out["local_done_first"] = handle.wait_local(120) and not handle.done()
+        out["a"] = _moments(handle)
+        out["losses_after_a"] = workload.train(engine, STEPS_AFTER, tokens, _rank())
+        out["b"] = _moments(ckpt.save(tag="b"))
+        workload.train(engine, 1, tokens, _rank())
+        out["c"] = _moments(ckpt.save(tag="c"))
+        out["losses_after_c"] = workload.train(engine, STEPS_AFTER, tokens, _rank())
+    return out
+
+
+def resume_in_tiers(url: str, options: dict, work: str, stock_dir: str | None = None) -> dict:
+    """A new job resumes the newest tag, then (with ``stock_dir``) tag 'a' from the bucket next to a stock
+    DeepSpeed load of the same step: every rank trains on and reports its losses and which tier it read."""
+    tokens = workload.token_stream()
+    engine = workload.make_engine(STAGE, "fp32", seed=4321)
+    out: dict = {}
+    with async_ckpt_log() as log, _wrap(engine, url, options, work) as ckpt:
+        out["tag"], _ = ckpt.load()
+        out["losses"] = workload.train(engine, STEPS_AFTER, tokens, _rank())
+        if stock_dir:
+            out["named_tag"], _ = ckpt.load(tag="a")
+            out["losses_named"] = workload.train(engine, STEPS_AFTER, tokens, _rank())
+    out["tiers_used"] = [line for line in log if "resumes" in line and "tier" in line]
+    if stock_dir:
+        stock = workload.make_engine(STAGE, "fp32", seed=99)
+        stock.load_checkpoint(stock_dir, tag="a")
+        out["losses_stock"] = workload.train(stock, STEPS_AFTER, tokens, _rank())
+    return out
+
+
+def save_to_a_full_local_tier(url: str, options: dict, work: str) -> dict:
+    """With no room in the local tier (a 1-byte quota) the save goes straight to the durable tier."""
+    engine = workload.make_engine(STAGE, "fp32", seed=5)
+    with async_ckpt_log() as log, _wrap(engine, url, options, work, local_tier_max_bytes=1) as ckpt:
+        handle = ckpt.save(tag="direct")
+        result = handle.result(timeout=120)
+    return {"tier": handle.metrics["tier"], "url": result.url, "local_url": handle.local_result().url,
+            "warnings": [line for line in log if "no room" in line]}
+
+
+def killed_mid_drain(url: str, options: dict, work: str, proxy: str, results: str) -> dict:
+    """Resume, save 'd' (committed on both nodes' folders), train on, then SIGKILL rank 1 while the proxy
+    holds its upload of 'd' to the bucket: the drain is cut short."""
+    from s3_server import held_requests, set_hold
+
+    tokens = workload.token_stream()
+    engine = workload.make_engine(STAGE, "fp32", seed=7)
+    ckpt = _wrap(engine, url, options, work)
+    ckpt.load()
+    ckpt.wait()
+    if _rank() == 1:
+        set_hold(proxy, "d/zero_pp_rank_1")
+    dist.barrier()
+    handle = ckpt.save(tag="d")
+    handle.wait_local(120)
+    losses = workload.train(engine, STEPS_AFTER, tokens, _rank())
+    with open(f"{results}.{_rank()}.json", "w") as fh:
+        json.dump({"losses_after_d": losses, "local_committed": handle.local_done() and not handle.done()}, fh)
+    if _rank() == 1:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not held_requests(proxy):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)  # rank 0 waits in the drain's commit for rank 1 until the group is torn down
+    return {}
+
+
+def resume_after_killed_drain(url: str, options: dict, work: str) -> dict:
+    """The next job: wrap() finds 'd' committed locally but not in the bucket and drains it again; load()
+    resumes 'd' from the node folders; close() waits for the drain."""
+    logging.getLogger("async_ckpt").setLevel(logging.INFO)
+    engine = workload.make_engine(STAGE, "fp32", seed=8)
+    with async_ckpt_log() as log, _wrap(engine, url, options, work) as ckpt:
+        tag, _ = ckpt.load()
+        losses = workload.train(engine, STEPS_AFTER, workload.token_stream(), _rank())
+    return {"tag": tag, "losses": losses, "resumed_drain": [line for line in log if "resuming the drain" in line],
+            "tiers_used": [line for line in log if "resumes" in line and "tier" in line]}
