@@ -317,8 +317,8 @@ class AsyncCheckpointer:
             self._await_handles(self.config.wait_timeout_s)
             self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
                           "the background writer thread to stop", self.config.wait_timeout_s)
-            if self._drainer is not None:
-                self._resume_drains()
+            if self._drainer is not None:  # every drain has ended: every rank holds the same failures
+                self._handles.extend(self._drainer.retry_failed())
                 self._await_handles(self.config.wait_timeout_s)
         finally:
             if self._drainer is not None:
@@ -511,11 +511,7 @@ class AsyncCheckpointer:
         return [(uuid.uuid4().hex, m.to_json().decode()) for m in pending]
 
     def _resume_drains(self) -> None:
-        """At ``wrap()`` and ``close()``: every rank drains the tags rank 0 found undrained (a collective)."""
-        if self.world_size > 1 and not dist.is_initialized():
-            logger.warning("rank %d: the process group is gone; tags not yet drained stay on the local tier until "
-                           "the next wrap()", self.rank)
-            return
+        """At ``wrap()``: every rank drains the tags rank 0 found undrained (a collective, like wrap() itself)."""
         self._start_drains(self._gather(self._drains_to_resume() if self.rank == 0 else None)[0])
 
     def _start_drains(self, drains: list[tuple[str, str]]) -> None:

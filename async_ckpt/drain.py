@@ -80,6 +80,9 @@ class Drainer:
         self._nice = nice
         self._queue: queue.Queue[DrainJob | None] = queue.Queue()
         self._pending: set[str] = set()
+        self._failed: list[DrainJob] = []
+        #: ``(step, created)`` of the newest tag this drainer committed at the URL.
+        self._newest_drained: tuple[int, float] | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"async_ckpt-drainer-rank{rank}", daemon=True)
         self._thread.start()
@@ -93,6 +96,28 @@ class Drainer:
         """Tags queued or being drained now."""
         with self._lock:
             return set(self._pending)
+
+    def retry_failed(self) -> list[SaveHandle]:
+        """Queue again the drains that failed, except those older than a tag drained since (that would
+        move the URL's ``latest`` back); return their new handles.
+
+        Call it on every rank once every drain so far has finished (``close()`` does): each drain's
+        outcome is agreed by all ranks, so every rank then holds the same failures and retries them
+        under the same fresh keys, without a collective.
+        """
+        with self._lock:
+            failed, self._failed = self._failed, []
+            newest = self._newest_drained
+        retries = []
+        for job in failed:
+            if newest is not None and (job.manifest.step, job.manifest.created_unix) <= newest:
+                continue
+            retry = DrainJob(manifest=job.manifest, drain_id=f"{job.drain_id}-retry", metadata=job.metadata,
+                             handle=SaveHandle(tag=job.tag, url=job.handle.url, metrics=dict(job.handle.metrics)))
+            retry.handle._commit_local(job.handle.local_result())
+            self.submit(retry)
+            retries.append(retry.handle)
+        return retries
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -146,6 +171,9 @@ class Drainer:
             return
         metrics.update(drain_s=time.perf_counter() - started, durable_s=time.perf_counter() - job.started,
                        durable_commit_s=commit_job.handle.metrics.get("commit_s", 0.0))
+        with self._lock:
+            self._newest_drained = max(self._newest_drained or (job.manifest.step, job.manifest.created_unix),
+                                       (job.manifest.step, job.manifest.created_unix))
         if target.tier_leader:
             try:
                 prune_local(target.local, target.durable, target.local_keep_last)
@@ -182,6 +210,8 @@ class Drainer:
                                   f"{self._target.durable.url} failed: {error}. The durable tier's tags and 'latest' "
                                   "are unchanged; the next save(), close() or wrap() drains it again", tag=job.tag)
         logger.error("rank %d: %s", self._rank, failure)
+        with self._lock:
+            self._failed.append(job)
         self._on_failure(failure, job)
         job.handle._fail(failure)
 
