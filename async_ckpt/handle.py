@@ -54,11 +54,7 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until committed or failed, at most ``timeout`` seconds; return :meth:`done`."""
-        try:
-            self._future.exception(timeout)
-        except TimeoutError:
-            return False
-        return True
+        return _settles(self._future, timeout)
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Block until committed; re-raise the background failure (:class:`SaveFailedError`)."""
@@ -73,11 +69,7 @@ class SaveHandle:
 
     def wait_local(self, timeout: float | None = None) -> bool:
         """Block until :meth:`local_done`, at most ``timeout`` seconds; return it."""
-        try:
-            self._local.exception(timeout)
-        except TimeoutError:
-            return False
-        return True
+        return _settles(self._local, timeout)
 
     def local_result(self, timeout: float | None = None) -> SaveResult:
         """Block until committed on the first tier (its ``url`` says which); re-raise its failure."""
@@ -95,3 +87,12 @@ class SaveHandle:
         if not self._local.done():
             self._local.set_exception(exc)
         self._future.set_exception(exc)
+
+
+def _settles(future: Future, timeout: float | None) -> bool:
+    """Whether ``future`` ends (with a result or a failure) within ``timeout`` seconds."""
+    try:
+        future.exception(timeout)
+    except TimeoutError:
+        return False
+    return True
