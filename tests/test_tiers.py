@@ -13,7 +13,10 @@ import tier_tasks
 from async_ckpt import ConfigError, wrap
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.launch import RankError
+from async_ckpt.layout import manifest_path
+from async_ckpt.manifest import Manifest
 from async_ckpt.storage import open_storage
+from async_ckpt.tiers import choose_tag, prune_local
 from s3_server import FaultProxy, options
 
 
@@ -162,3 +165,30 @@ def test_a_local_tier_that_is_a_url_or_inside_the_durable_folder_is_refused_befo
 def test_local_keep_last_must_be_positive(tmp_path):
     with pytest.raises(ConfigError, match="local_keep_last"):
         wrap(object(), str(tmp_path / "durable"), local_tier=str(tmp_path / "fast"), local_keep_last=0)
+
+
+def _commit(storage, tag: str, step: int, save_id: str) -> None:
+    manifest = Manifest(tag=tag, step=step, world_size=1, zero_stage=2, dtype="fp32", files=[],
+                        created_unix=float(step), save_id=save_id)
+    storage.write_bytes(manifest_path(tag), manifest.to_json())
+
+
+def test_local_retention_never_deletes_a_tag_the_durable_tier_does_not_hold_from_the_same_save(tmp_path):
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    for step, tag in enumerate(["t1", "t2", "t3", "t4", "t5"]):
+        _commit(local, tag, step, f"save-{tag}")
+    _commit(durable, "t1", 0, "save-t1")
+    _commit(durable, "t2", 1, "another-save-of-t2")
+    assert prune_local(local, durable, keep=2) == ["t1"]
+    assert [t for t in ("t1", "t2", "t3", "t4", "t5") if read_manifest(local, t)] == ["t2", "t3", "t4", "t5"]
+
+
+def test_a_restart_takes_the_newest_tag_every_rank_can_read_from_some_tier():
+    view = {"old": (1, 1.0, True, "a"), "mid": (2, 2.0, True, "b"), "new": (3, 3.0, True, "c")}
+    only_rank0_has_new = [dict(view), {k: v for k, v in view.items() if k != "new"}]
+    assert choose_tag(None, only_rank0_has_new, {"old": view["old"]}) == ("mid", "")
+    assert choose_tag(None, only_rank0_has_new, {"new": view["new"]}) == ("new", "")
+    assert choose_tag(None, [{}, {}], {}) == (None, "no tag is committed at the durable URL or in every node's "
+                                                    "local tier")
+    tag, why = choose_tag("new", only_rank0_has_new, {})
+    assert tag is None and "only rank(s) [0]" in why
