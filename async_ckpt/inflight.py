@@ -9,11 +9,36 @@ readers to call it first: ``DeepSpeedEngine.load_checkpoint`` (whichever engine 
 while nothing is in flight. A module that took one of those functions with ``from ... import`` before
 the first ``wrap()`` is rebound to the hooked function then; a reference kept in any other place
 (a local variable, a dict) is not: call :func:`wait_all` before using it.
+
+A save also needs its process to live until the commit: the commit goes through the job's c10d
+store (``handshake.py``), and the background writer is a daemon thread. So the first ``wrap()``
+also makes two ends of a rank wait for its saves in flight:
+
+- ``torch.distributed.destroy_process_group`` of the default group waits first (so does
+  ``deepspeed.comm.destroy_process_group``, which looks it up on ``torch.distributed`` at each
+  call): destroying the group drops the store the commit still uses. Destroying a subgroup does not
+  wait (training code may do that between steps).
+- the process's exit waits (each checkpointer at most its ``wait_timeout_s``, as ``close()``), logs
+  what it waits for and any failure, and never raises. A multiprocessing child (DeepSpeed's test
+  pool workers, ``torch.multiprocessing.spawn`` ranks) ends through ``os._exit`` without running
+  ``atexit``; the one exit path both it and a normal interpreter exit take is
+  ``threading._shutdown``, whose callbacks (``threading._register_atexit``) run before the
+  interpreter refuses new work to thread pools (``concurrent.futures`` registers its own refusal
+  there, earlier, so it runs after ours) -- the writer's O_DIRECT and S3 helpers need those pools.
+  ``atexit`` and ``multiprocessing.util.Finalize`` run after that refusal in a main process.
+  A forked child (a DataLoader worker) forgets its parent's checkpointers: their writer threads
+  are not in it, and its exit must not wait for them.
+
+What still loses a save in flight: ``os._exit``, a signal that kills the process (SIGKILL, an
+unhandled SIGTERM), and a wait that times out.
 """
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 (registers its exit hook before ours: see the docstring)
 import functools
+import logging
+import os
 import sys
 import threading
 import time
@@ -21,8 +46,12 @@ import types
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch.distributed as dist
+
 if TYPE_CHECKING:
     from async_ckpt.checkpointer import AsyncCheckpointer
+
+logger = logging.getLogger("async_ckpt")
 
 _OPEN: "weakref.WeakSet[AsyncCheckpointer]" = weakref.WeakSet()
 _LOCK = threading.Lock()
@@ -30,12 +59,16 @@ _HOOKED = False
 
 
 def register(checkpointer: "AsyncCheckpointer") -> None:
-    """Track an open checkpointer (dropped when closed or collected); hook DeepSpeed's readers once."""
+    """Track an open checkpointer (dropped when closed or collected); once, hook DeepSpeed's readers,
+    the process group's destruction and the process's exit."""
     global _HOOKED
     with _LOCK:
         _OPEN.add(checkpointer)
         if not _HOOKED:
             _hook_deepspeed_readers()
+            _hook(dist, "destroy_process_group", only_if=_ends_the_default_group)
+            threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]
+            os.register_at_fork(after_in_child=_OPEN.clear)
             _HOOKED = True
 
 
@@ -58,23 +91,51 @@ def wait_all(timeout: float | None = None) -> None:
         checkpointer.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
-def _waiting_first(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _wait_at_exit() -> None:
+    """Let every save in flight commit before the process ends; log, never raise (see the module docstring)."""
+    with _LOCK:
+        open_now = list(_OPEN)
+    for checkpointer in open_now:
+        pending = [f"{handle.url}/{handle.tag}" for handle in checkpointer._handles if not handle.done()]
+        if not pending:
+            continue
+        logger.info("rank %d: the process is exiting with saves in flight; waiting for their commit (at most %.0f s): "
+                    "%s", checkpointer.rank, checkpointer.config.wait_timeout_s, ", ".join(pending))
+        try:
+            checkpointer.wait()
+        except Exception as exc:  # raised with on_error="raise", or WaitTimeoutError
+            logger.error("rank %d: a save in flight at exit did not commit: %s: %s", checkpointer.rank,
+                         type(exc).__name__, exc)
+        except KeyboardInterrupt:
+            logger.error("rank %d: interrupted at exit; saves still in flight are lost: %s", checkpointer.rank,
+                         ", ".join(pending))
+            return
+
+
+def _ends_the_default_group(group: Any = None) -> bool:
+    """``destroy_process_group(group)`` destroys the default group (and with it the job's store)."""
+    return group is None or group == dist.GroupMember.WORLD
+
+
+def _waiting_first(fn: Callable[..., Any], only_if: Callable[..., bool] | None = None) -> Callable[..., Any]:
     @functools.wraps(fn)
     def hooked(*args: Any, **kwargs: Any) -> Any:
-        wait_all()
+        if only_if is None or only_if(*args, **kwargs):
+            wait_all()
         return fn(*args, **kwargs)
 
     hooked.__wrapped_by_async_ckpt__ = True  # type: ignore[attr-defined]
     return hooked
 
 
-def _hook(owner: Any, name: str) -> None:
-    """Replace ``owner.name`` with a version that waits first; for a module function, rebind too every
-    module that took the function with ``from ... import`` before (a test or script imported earlier)."""
+def _hook(owner: Any, name: str, only_if: Callable[..., bool] | None = None) -> None:
+    """Replace ``owner.name`` with a version that waits first (when ``only_if(*args, **kwargs)``, if given);
+    for a module function, rebind too every module that took the function with ``from ... import``
+    before (a test or script imported earlier)."""
     original = getattr(owner, name, None)
     if original is None or getattr(original, "__wrapped_by_async_ckpt__", False):
         return
-    hooked = _waiting_first(original)
+    hooked = _waiting_first(original, only_if)
     setattr(owner, name, hooked)
     if isinstance(owner, types.ModuleType):
         for module in list(sys.modules.values()):

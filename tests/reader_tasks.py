@@ -87,8 +87,9 @@ def per_rank_tags(root: str, mode: str) -> dict:
         error = _outcome(lambda: engine.save_checkpoint(root, tag=f"tag-{_rank()}"))
         api_error = _outcome(lambda: ckpt.save(tag=f"tag-{_rank()}"))
         empty_dir = _outcome(lambda: engine.save_checkpoint(""))
+    own = f"{root}/tag-{_rank()}"
     return {"error": error, "api_error": api_error, "empty_dir": empty_dir,
-            "own_tag_files": sorted(os.listdir(f"{root}/tag-{_rank()}")) if os.path.isdir(f"{root}/tag-{_rank()}") else None}
+            "own_tag_files": sorted(os.listdir(own)) if os.path.isdir(own) else None}
 
 
 def resave_a_committed_tag(root: str) -> dict:
@@ -118,3 +119,53 @@ def zero_to_fp32_imported_before_wrap_right_after_save(root: str) -> dict:
     state = get_fp32_state_dict_from_zero_checkpoint(root, tag="consolidate_me")
     ckpt.close()
     return {"in_flight": in_flight, "tensors": len(state)}
+
+
+def save_then_destroy_the_process_group(root: str) -> dict:
+    """DeepSpeed's test harness ends its ranks so: ``deepspeed.comm.destroy_process_group()``, right after save()."""
+    import deepspeed.comm
+
+    from commit_tasks import _tag_state
+
+    _, ckpt = _slow_checkpointer(root)
+    handle = ckpt.save(tag="before_destroy")
+    in_flight = not handle.done()
+    deepspeed.comm.destroy_process_group()
+    return {"in_flight": in_flight, "latest": _read_latest(root), **_tag_state(root, "before_destroy")}
+
+
+#: How long :func:`save_and_exit` lets its forked child take to end (one that waited for the parent's
+#: save would take seconds, as long as the slow save).
+FORKED_CHILD_WAIT_S = 20
+
+
+def save_and_exit(root: str, rank: int, world_size: int, port: int, answers) -> None:
+    """A multiprocessing child (as DeepSpeed's pool workers are) joins a group, saves and returns, which ends it.
+
+    Before returning it forks a child that exits at once (as a DataLoader worker may), and says how
+    long that child took to end: it must not wait for its parent's save.
+    """
+    import multiprocessing
+    import time
+
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="gloo")
+    _, ckpt = _slow_checkpointer(root)
+    handle = ckpt.save(tag="before_exit")
+    in_flight = not handle.done()
+    started = time.monotonic()
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0,))
+    child.start()
+    child.join(timeout=FORKED_CHILD_WAIT_S)
+    forked_child_s = time.monotonic() - started if child.exitcode is not None else None
+    child.kill()
+    answers.put({"rank": rank, "in_flight": in_flight, "in_flight_after_fork": not handle.done(),
+                 "forked_child_s": forked_child_s})
+
+
+def _read_latest(root: str) -> str | None:
+    path = os.path.join(root, "latest")
+    return open(path).read() if os.path.exists(path) else None

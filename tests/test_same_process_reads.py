@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import queue
+
 import pytest
 
 import reader_tasks
+from async_ckpt.launch import free_port
+from commit_tasks import _tag_state
 
 
 def test_a_new_engine_loading_right_after_save_waits_for_the_commit_and_loads_it(ranks, tmp_path):
@@ -78,3 +83,50 @@ def test_overwrite_tags_lets_a_tag_be_saved_again_as_deepspeed_does(resaved):
     for seen in resaved:
         assert seen["resaved_steps"] > seen["first_steps"]
         assert seen["loaded_steps"] == seen["resaved_steps"] and seen["latest"] == "t"
+
+
+def test_destroying_the_process_group_right_after_save_waits_for_the_commit(ranks, tmp_path):
+    try:
+        out = ranks.run(reader_tasks.save_then_destroy_the_process_group, str(tmp_path / "ckpt"))
+    finally:
+        ranks.restart()  # its ranks have no process group any more
+    for rank in out:
+        assert rank["in_flight"] is True
+        assert rank["latest"] == "before_destroy" and rank["committed"] and rank["verified"]
+
+
+@pytest.fixture(scope="module")
+def exited(tmp_path_factory):
+    """Two ranks, started as multiprocessing children of their own (no RankGroup: its ranks destroy the
+    process group before they end), each saves and returns; then what the tag looks like on disk."""
+    root = str(tmp_path_factory.mktemp("exited") / "ckpt")
+    ctx = multiprocessing.get_context("spawn")
+    answers = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=reader_tasks.save_and_exit, args=(root, rank, 2, port, answers)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+        if proc.exitcode is None:
+            proc.kill()
+    got = []
+    while True:
+        try:
+            got.append(answers.get(timeout=1))
+        except queue.Empty:
+            break
+    return {"exitcodes": [p.exitcode for p in procs], "ranks": sorted(got, key=lambda a: a["rank"]),
+            "latest": reader_tasks._read_latest(root), **_tag_state(root, "before_exit")}
+
+
+def test_a_process_that_ends_right_after_save_commits_the_save_first(exited):
+    assert exited["exitcodes"] == [0, 0]
+    assert [rank["in_flight"] for rank in exited["ranks"]] == [True, True]
+    assert exited["latest"] == "before_exit" and exited["committed"] and exited["verified"]
+
+
+def test_a_forked_child_of_a_process_with_a_save_in_flight_ends_without_waiting_for_it(exited):
+    for rank in exited["ranks"]:
+        assert rank["forked_child_s"] is not None and rank["forked_child_s"] < 5
+        assert rank["in_flight_after_fork"] is True  # the save outlasted the child
