@@ -88,3 +88,31 @@ def test_s3_transfer_runs_over_https_against_moto_tls(tmp_path):
                           "--concurrency", "4", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["server"] == "moto-tls" and data["upload_ratio_vs_boto3"] > 0 and data["download_ratio_vs_boto3"] > 0
+
+
+def test_tiered_bench_reports_saves_to_both_tiers_and_three_comparable_restarts(tmp_path):
+    from async_ckpt.bench.save_bench import main as bench_main
+
+    out = tmp_path / "tiered"
+    assert bench_main(["--target", "tiered", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    data = json.loads((out / "results.json").read_text())
+    summary = data["summary"]
+    assert len(summary["saves"]) == data["config"]["saves"] == 2
+    for save in summary["saves"]:
+        assert save["tiers"] == ["local"]
+        assert 0 < save["local_committed_s"] < save["durable_s"]
+    assert summary["local_committed_s"] > 0 and summary["durable_s"] > 0
+    restarts = summary["restarts"]
+    assert set(restarts) == {"local", "bucket", "stock"}
+    for how, restart in restarts.items():
+        assert restart["restart_s"] > restart["load_s"] > 0, how
+        assert (restart["tag"], restart["global_steps"]) == (summary["resumed"]["tag"], summary["resumed"]["global_steps"])
+        assert restart["first_loss_as_saved"] is True, how
+        assert restart["bytes_read"] > 0
+    assert restarts["local"]["bytes_downloaded"] == 0
+    assert restarts["bucket"]["bytes_downloaded"] > 0 and restarts["stock"]["bytes_downloaded"] > 0
+    for how, tier in (("local", "local"), ("bucket", "durable")):  # one line per rank: which tier it read
+        assert len(restarts[how]["tiers"]) == 2
+        assert all(f"from the {tier} tier" in line for line in restarts[how]["tiers"]), how
+    assert summary["bucket_over_local"] > 0 and summary["stock_over_local"] > 0
+    assert "Tiered checkpoints" in (out / "table.md").read_text()

@@ -1,7 +1,8 @@
 """Save benchmark: every way of saving the same DeepSpeed ZeRO state, side by side in one run.
 
 Run ``async-ckpt bench`` (or ``python -m async_ckpt.bench.save_bench``); ``--quick`` for a smoke run,
-``--target s3`` for an embedded moto S3 server on 127.0.0.1 (or ``--url``/``--endpoint``).
+``--target s3`` for an embedded moto S3 server on 127.0.0.1 (or ``--url``/``--endpoint``),
+``--target tiered`` for tiered checkpoints (local tier, then S3) and restarts (:mod:`async_ckpt.bench.tiered`).
 Methods run one after the other on the same engine and steps, so ratios hold on a noisy machine.
 """
 
@@ -158,6 +159,10 @@ def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
 
 def run(cfg: BenchConfig) -> dict:
     """Run the benchmark; write ``results.json``, ``timeline.png`` and print the table."""
+    if cfg.target == "tiered":
+        from async_ckpt.bench.tiered import run as run_tiered
+
+        return run_tiered(cfg)
     from async_ckpt.launch import RankGroup
     from async_ckpt.bench.report import summarize, table, timeline_png
 
@@ -201,7 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=list(SIZES), default=None)
     parser.add_argument("--saves", type=int, default=None, help="saves per method")
     parser.add_argument("--steps-between", type=int, default=None)
-    parser.add_argument("--target", choices=["local", "s3"], default="local")
+    parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
+                        help="tiered: saves to a node-local tier drained to S3 (moto, or --url), and restart times")
     parser.add_argument("--url", default=None, help="s3://bucket/prefix (default: an embedded moto server)")
     parser.add_argument("--endpoint", default=None, help="S3 endpoint URL for --url")
     parser.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset")
@@ -225,7 +231,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                  if v is not None}
     return BenchConfig(**{**asdict(base), **overrides, "stage": args.stage, "dtype": args.dtype, "device": args.device,
                           "ranks": args.ranks or _default_ranks(args.device),
-                          "target": "s3" if args.url else args.target, "url": args.url, "endpoint": args.endpoint,
+                          "target": "s3" if args.url and args.target != "tiered" else args.target,
+                          "url": args.url, "endpoint": args.endpoint,
                           "methods": [m for m in args.methods.split(",") if m], "out": args.out,
                           "workdir": args.workdir})
 
