@@ -153,6 +153,27 @@ def test_the_next_job_drains_the_tag_a_kill_cut_short(killed):
     assert killed["d_after"] is True and killed["latest_after"] == "d"
 
 
+@pytest.fixture(scope="module", params=["close", "save"])
+def healed(request, ranks, tmp_path_factory):
+    """A drain that failed (the durable tier refused rank 1's writes), then the tier healed."""
+    work = tmp_path_factory.mktemp(f"heal-by-{request.param}")
+    out = ranks.run(tier_tasks.drain_fails_then_heals, str(work / "durable"), str(work), request.param)
+    return {"by": request.param, "durable": work / "durable", "ranks": out}
+
+
+def test_a_failed_drain_is_reported_and_leaves_the_durable_tier_unchanged(healed):
+    for out in healed["ranks"]:
+        assert out["local_committed"] is True
+        assert "drain" in out["drain_error"] and "No space left" in out["drain_error"]
+        assert out["durable_latest_after_failure"] is False
+
+
+def test_a_failed_drain_is_redone_by_close_or_by_the_next_save(healed):
+    durable = open_storage(str(healed["durable"]))
+    assert read_manifest(durable, "first") is not None
+    assert read_latest(durable) == ("second" if healed["by"] == "save" else "first")
+
+
 @pytest.mark.parametrize("local_tier,why", [("s3://bucket/fast", "not a URL"), ("{url}/inside", "overlap")])
 def test_a_local_tier_that_is_a_url_or_inside_the_durable_folder_is_refused_before_anything_is_written(
         tmp_path, local_tier, why):

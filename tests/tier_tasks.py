@@ -124,3 +124,27 @@ def resume_after_killed_drain(url: str, options: dict, work: str) -> dict:
         losses = workload.train(engine, STEPS_AFTER, workload.token_stream(), _rank())
     return {"tag": tag, "losses": losses, "resumed_drain": [line for line in log if "resuming the drain" in line],
             "tiers_used": [line for line in log if "resumes" in line and "tier" in line]}
+
+
+def drain_fails_then_heals(durable: str, work: str, heal_by: str) -> dict:
+    """Rank 1's writes to the durable tier fail (ENOSPC injected), so the drain of 'first' fails after its
+    local commit; then the storage heals and the drain is redone by ``close()`` or by the next ``save()``."""
+    from faulty_fs import register
+
+    register()
+    tokens = workload.token_stream()
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    workload.train(engine, 1, tokens, _rank())
+    options = {"fail_ranks": [1], "skip_instance_cache": True}  # a filesystem of its own: healed below
+    ckpt = async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
+                           local_tier=node_folder(work, _rank()))
+    handle = ckpt.save(tag="first")
+    out = {"local_committed": handle.wait_local(120) and handle.local_result().tag == "first",
+           "drain_error": str(handle.exception(timeout=120)),
+           "durable_latest_after_failure": os.path.exists(os.path.join(durable, "latest"))}
+    ckpt.storage.fs.fail_ranks = set()  # the durable tier heals
+    if heal_by == "save":
+        workload.train(engine, 1, tokens, _rank())
+        ckpt.save(tag="second").result(timeout=120)
+    ckpt.close()
+    return out
