@@ -104,8 +104,7 @@ class AsyncCheckpointer:
         self._store = job_store(self.world_size)  # the writer thread's own client of the job's c10d store
         self._local: Storage | None = None
         self._drainer: Drainer | None = None
-        self._node_ranks: tuple[int, ...] = ()
-        self._tier_leader = False
+        self._node_ranks: tuple[int, ...] = ()  # with a local tier: the ranks sharing this rank's folder
         self._drain_failed = False
         if config.local_tier is not None:
             self._open_local_tier(config.local_tier)
@@ -462,10 +461,9 @@ class AsyncCheckpointer:
         nodes = nodes_from(self._gather(folder_identity(path)))
         node = next(n for n in nodes if self.rank in n.ranks)
         self._node_ranks = node.ranks
-        self._tier_leader = node.leader == self.rank
         target = DrainTarget(local=self._local, durable=self.storage, keep_last=self.config.keep_last,
                              keep_every=self.config.keep_every, local_keep_last=self.config.local_keep_last,
-                             tier_leader=self._tier_leader)
+                             tier_leader=node.leader == self.rank)
         self._drainer = Drainer(self.rank, self.world_size, job_store(self.world_size), target,
                                 self.config.commit_timeout_s, self._record_drain_failure, nice=self.config.writer_nice,
                                 on_done=self.config.on_save_done)
@@ -478,7 +476,7 @@ class AsyncCheckpointer:
         """For a save to the local tier, the first rank of each node writes DeepSpeed's model-states file
         too (as DeepSpeed's ``use_node_local_storage`` does), so every node folder holds all its ranks read."""
         engine = self.engine
-        if not (local and self._tier_leader) or engine.save_non_zero_checkpoint:
+        if not (local and self._node_ranks[0] == self.rank) or engine.save_non_zero_checkpoint:
             yield
             return
         engine.save_non_zero_checkpoint = True
@@ -490,11 +488,13 @@ class AsyncCheckpointer:
     def _drain_later(self, job: SaveJob, outcome: Outcome) -> None:
         """Writer thread: the save is committed on the local tier; queue its drain to the URL."""
         manifest = Manifest.from_json(outcome.manifest) if outcome.manifest else read_manifest(self._local, job.tag)
-        if manifest is None:  # only a node whose commit record is missing: the drain's commit fails for all
+        error = None
+        if manifest is None:  # this rank never learned the commit record: it must not drain (nor let commit) the tag
+            error = f"rank {self.rank} does not know the files of tag {job.tag!r} (no manifest in {self._local.url})"
             manifest = Manifest(tag=job.tag, step=0, world_size=self.world_size, zero_stage=0, dtype="", files=[],
                                 save_id=job.save_id)
         self._drainer.submit(DrainJob(manifest=manifest, drain_id=job.save_id, handle=job.handle,
-                                      metadata=job.metadata, started=job.started))
+                                      started=job.started, error=error))
 
     def _record_drain_failure(self, error: SaveFailedError, job: DrainJob) -> None:
         self._record_failure(error)
@@ -521,9 +521,7 @@ class AsyncCheckpointer:
             handle._commit_local(SaveResult(tag=manifest.tag, url=self._local.url, bytes_written=manifest.total_bytes,
                                             stall_s=0.0, persist_s=0.0, commit_s=0.0))
             self._handles.append(handle)
-            metadata = {"step": manifest.step, "zero_stage": manifest.zero_stage, "dtype": manifest.dtype,
-                        "versions": manifest.versions}
-            self._drainer.submit(DrainJob(manifest=manifest, drain_id=drain_id, handle=handle, metadata=metadata))
+            self._drainer.submit(DrainJob(manifest=manifest, drain_id=drain_id, handle=handle))
 
     def _gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (one collective on the training thread, as DeepSpeed's own load does)."""

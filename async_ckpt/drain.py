@@ -44,13 +44,21 @@ class DrainJob:
     #: Unique per attempt (the save's id for the first one): the store keys of this drain's commit.
     drain_id: str
     handle: SaveHandle
-    metadata: dict[str, Any]
     #: When ``save()`` started (``durable_s`` counts from there); for a drain after a restart, now.
     started: float = field(default_factory=time.perf_counter)
+    #: Why this rank cannot drain the tag (its commit record is unknown here): the drain fails on every
+    #: rank rather than commit a tag without this rank's files.
+    error: str | None = None
 
     @property
     def tag(self) -> str:
         return self.manifest.tag
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """What the durable commit records besides the files: the local commit's own record."""
+        m = self.manifest
+        return {"step": m.step, "zero_stage": m.zero_stage, "dtype": m.dtype, "versions": m.versions}
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ class Drainer:
         for job in failed:
             if newest is not None and (job.manifest.step, job.manifest.created_unix) <= newest:
                 continue
-            retry = DrainJob(manifest=job.manifest, drain_id=f"{job.drain_id}-retry", metadata=job.metadata,
+            retry = DrainJob(manifest=job.manifest, drain_id=f"{job.drain_id}-retry", error=job.error,
                              handle=SaveHandle(tag=job.tag, url=job.handle.url, metrics=dict(job.handle.metrics)))
             retry.handle._commit_local(job.handle.local_result())
             self.submit(retry)
@@ -191,6 +199,8 @@ class Drainer:
 
     def _copy(self, job: DrainJob) -> list[FileEntry]:
         """This rank's files of the tag, from the node folder to the URL, each checked against the manifest."""
+        if job.error is not None:
+            raise SaveFailedError(job.error, tag=job.tag)
         root = self._target.local.local_dir()
         copied = []
         for entry in job.manifest.one_copy_each().files:
