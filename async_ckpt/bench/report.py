@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from typing import Any
 
@@ -148,3 +150,16 @@ def timeline_png(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_report(out: str, report: dict, text: str) -> str:
+    """``results.json`` (the raw figures) and ``table.md`` (``text``) into ``out``; print the table.
+    Returns the path of ``results.json``."""
+    os.makedirs(out, exist_ok=True)
+    results = os.path.join(out, "results.json")
+    with open(results, "w") as fh:
+        json.dump(report, fh, indent=1)
+    with open(os.path.join(out, "table.md"), "w") as fh:
+        fh.write(text + "\n")
+    print(text)
+    return results

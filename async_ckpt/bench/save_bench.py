@@ -9,7 +9,6 @@ Methods run one after the other on the same engine and steps, so ratios hold on 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -164,7 +163,7 @@ def run(cfg: BenchConfig) -> dict:
 
         return run_tiered(cfg)
     from async_ckpt.launch import RankGroup
-    from async_ckpt.bench.report import summarize, table, timeline_png
+    from async_ckpt.bench.report import summarize, table, timeline_png, write_report
 
     unknown = set(cfg.methods) - set(METHODS)
     if unknown:
@@ -184,15 +183,9 @@ def run(cfg: BenchConfig) -> dict:
                                                                          if k != "storage_options"},
               "wall_s": time.time() - started, "ranks": raw}
     report["summary"] = summarize(report)
-    os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, "results.json"), "w") as fh:
-        json.dump(report, fh, indent=1)
+    results = write_report(cfg.out, report, table(report))
     timeline_png(report, os.path.join(cfg.out, "timeline.png"))
-    text = table(report)
-    with open(os.path.join(cfg.out, "table.md"), "w") as fh:
-        fh.write(text + "\n")
-    print(text)
-    print(f"\nraw figures: {os.path.join(cfg.out, 'results.json')}   timeline: {os.path.join(cfg.out, 'timeline.png')}")
+    print(f"\nraw figures: {results}   timeline: {os.path.join(cfg.out, 'timeline.png')}")
     return report
 
 

@@ -276,8 +276,7 @@ def table(report: dict) -> str:
 
 def run(cfg: BenchConfig) -> dict:
     """Run the tiered benchmark; write ``results.json`` and ``table.md`` into ``cfg.out`` and print the table."""
-    import json
-
+    from async_ckpt.bench.report import write_report
     from async_ckpt.launch import RankGroup
 
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="async_ckpt_bench_tiered_")  # removed at the end if ours
@@ -313,12 +312,5 @@ def run(cfg: BenchConfig) -> dict:
               "wall_s": time.time() - started, "saves": saves,
               "restarts": {how: [t0, answers] for how, (t0, answers) in restarts.items()}}
     report["summary"] = summarize(report)
-    os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, "results.json"), "w") as fh:
-        json.dump(report, fh, indent=1)
-    text = table(report)
-    with open(os.path.join(cfg.out, "table.md"), "w") as fh:
-        fh.write(text + "\n")
-    print(text)
-    print(f"\nraw figures: {os.path.join(cfg.out, 'results.json')}")
+    print(f"\nraw figures: {write_report(cfg.out, report, table(report))}")
     return report
