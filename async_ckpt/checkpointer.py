@@ -30,7 +30,7 @@ from async_ckpt import inflight
 from async_ckpt.catalog import read_manifest
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
-from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones
+from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot_bytes
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, CorruptManifestError,
                                SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
@@ -117,6 +117,8 @@ class AsyncCheckpointer:
         engine.save_checkpoint = self._engine_save_checkpoint
         engine.save_16bit_model = self._engine_save_16bit_model
         inflight.register(self)
+        if torch.device(getattr(engine, "device", "cpu")).type == "cpu":
+            self._pool.reserve(estimate_snapshot_bytes(engine))  # pinned staging (CUDA) is allocated at the first save
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
         if self._drainer is not None:
             self._resume_drains()
@@ -384,6 +386,7 @@ class AsyncCheckpointer:
         deepspeed_s = time.perf_counter() - entered
         deferred = [pair for f in files for pair in f.deferred]
         self._staging = self._pool.copy(deferred, background=True)
+        self._pool.trim_reserve()
         return self._submit(self._local if local else storage, tag, save_id, files, self._staging, started,
                             save_latest=save_latest, extras_dir=self._save_extras(save_id), tiered=local,
                             metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,

@@ -115,3 +115,19 @@ def deferred_clones() -> Iterator[None]:
     finally:
         for module in swapped:
             module.clone_tensors_for_torch_save = _ORIGINAL_CLONE
+
+
+def estimate_snapshot_bytes(engine: Any) -> int:
+    """Host bytes this rank's snapshot will need, from the engine before any save: Adam's fp32 master
+    partitions and its two moments (three times the partitions the innermost optimizer steps; the moments
+    may not exist yet before the first step) plus this rank's module parameters (model-states file).
+    An estimate for reserving staging memory ahead of the first save; 0 if the engine has no optimizer."""
+    optimizer = getattr(engine, "optimizer", None)
+    while getattr(optimizer, "optimizer", None) is not None:  # ZeRO and mixed-precision wrappers
+        optimizer = optimizer.optimizer
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return 0
+    partitions = sum(p.numel() * p.element_size() for group in groups for p in group["params"])
+    module = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in engine.module.parameters())
+    return 3 * partitions + module

@@ -17,43 +17,118 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import tempfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
+import torch.utils.serialization  # noqa: F401 - torch.save's settings (compute_crc32)
 
+from async_ckpt.checksum import crc32_combine, format_crc
 from async_ckpt.manifest import FileEntry
-from async_ckpt.storage.base import IO_CHUNK, Storage
+from async_ckpt.storage.base import IO_CHUNK, LEND_MIN, Storage, buffer_address
+
+
+@dataclass
+class Lending:
+    """Memory the writer may lend to storage instead of copying it, and what became of it.
+
+    ``regions`` are (address, size) ranges that stay valid and unchanged until the file is written
+    (the staging buffers). The writer notes in ``placements`` the file offset each lent buffer was
+    written at (the staging pool places the next snapshot's buffers to match) and counts the bytes
+    lent and, of those, the bytes storage still had to copy (address and offset aligned differently).
+    """
+
+    regions: Sequence[tuple[int, int]]
+    placements: dict[int, int] = field(default_factory=dict)
+    lent_bytes: int = 0
+    copied_bytes: int = 0
 
 
 class ChecksumWriter:
     """Write-only stream that forwards every byte and keeps a running size and CRC-32.
 
+    With a :class:`Lending` and a sink that has ``write_borrowed``, the large tensor records torch.save
+    hands over from that memory are lent to the sink instead of copied, and are not checksummed
+    again: torch.save writes each record's CRC-32 in the zip data descriptor that follows it, and
+    :func:`~async_ckpt.checksum.crc32_combine` folds those into the file's CRC-32. A record whose
+    descriptor is not found (or with torch's CRC turned off) is checksummed here at the end.
+
     The first error the sink raises is kept in ``error``: torch.save's zip writer turns a failing
     ``write()`` into "unexpected pos N vs M", which names neither the errno nor its cause.
     """
 
-    def __init__(self, sink: BinaryIO) -> None:
+    def __init__(self, sink: BinaryIO, lending: Lending | None = None) -> None:
         self._sink = sink
+        self._lending = lending if lending is not None and hasattr(sink, "write_borrowed") else None
+        self._trust_descriptors = self._lending is not None and torch_writes_crc32()
         self.size = 0
-        self.crc = 0
+        self._crc = 0  # CRC-32 and length of the bytes since the last lent record
+        self._run = 0
+        self._pieces: list[list[Any]] = []  # [crc or None, length, view] in file order, before self._crc
+        self._awaiting: list[Any] | None = None  # the lent record whose data descriptor comes next
         self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
-        written = 0
-        while written < view.nbytes:  # raw file objects may write short
-            try:
-                n = self._sink.write(view[written:])
-            except BaseException as exc:
-                self.error = self.error or exc
-                raise
-            written += view.nbytes - written if n is None else n
+        try:
+            if self._lendable(view):
+                self._awaiting = [None, view.nbytes, view]
+                self._pieces += [[self._crc, self._run, None], self._awaiting]
+                self._crc = self._run = 0
+                lending, copied = self._lending, getattr(self._sink, "copied_bytes", 0)
+                self._sink.write_borrowed(view)  # type: ignore[attr-defined]
+                lending.lent_bytes += view.nbytes  # type: ignore[union-attr]
+                lending.copied_bytes += getattr(self._sink, "copied_bytes", 0) - copied  # type: ignore[union-attr]
+            else:
+                self._take_descriptor(view)
+                self._crc = zlib.crc32(view, self._crc)
+                self._run += view.nbytes
+                self._write_all(view)
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
         self.size += view.nbytes
         return view.nbytes
+
+    def _lendable(self, view: memoryview) -> bool:
+        """Whether ``view`` lies in lendable memory; if so, its file offset is noted in the placements."""
+        if view.nbytes < LEND_MIN or self._lending is None:
+            return False
+        start = buffer_address(view)
+        if not any(lo <= start and start + view.nbytes <= lo + size for lo, size in self._lending.regions):
+            return False
+        self._lending.placements[start] = self.size
+        return True
+
+    def _take_descriptor(self, view: memoryview) -> None:
+        """Take the CRC-32 of the lent record just written from its zip data descriptor:
+        signature, CRC-32, then compressed and uncompressed sizes (4 bytes each, 8 in zip64)."""
+        record, self._awaiting = self._awaiting, None
+        if record is None or not self._trust_descriptors or view.nbytes not in (16, 24):
+            return
+        raw = view.tobytes()
+        sizes = struct.unpack("<II" if len(raw) == 16 else "<QQ", raw[8:])
+        if raw[:4] == b"PK\x07\x08" and sizes == (record[1], record[1]):
+            record[0] = struct.unpack("<I", raw[4:8])[0]
+            record[2] = None
+
+    def _write_all(self, view: memoryview) -> None:
+        written = 0
+        while written < view.nbytes:  # raw file objects may write short
+            n = self._sink.write(view[written:])
+            written += view.nbytes - written if n is None else n
+
+    @property
+    def crc(self) -> int:
+        """CRC-32 of everything written so far."""
+        crc = 0
+        for piece_crc, length, view in self._pieces:
+            crc = crc32_combine(crc, zlib.crc32(view) if piece_crc is None else piece_crc, length)
+        return crc32_combine(crc, self._crc, self._run)
 
     def flush(self) -> None:
         flush = getattr(self._sink, "flush", None)
@@ -61,20 +136,23 @@ class ChecksumWriter:
             flush()
 
 
-def format_crc(crc: int) -> str:
-    return f"{crc & 0xFFFFFFFF:08x}"
+def torch_writes_crc32() -> bool:
+    """Whether torch.save computes the CRC-32 of its records (a ``torch.utils.serialization`` setting)."""
+    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    return bool(getattr(getattr(config, "save", None), "compute_crc32", True))
 
 
 def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, rank: int,
-                     scratch_dir: str | None = None) -> FileEntry:
+                     scratch_dir: str | None = None, lending: Lending | None = None) -> FileEntry:
     """``torch.save(obj)`` to ``relpath`` atomically; the entry's path is relative to ``tag_dir``.
 
     With ``scratch_dir`` (a local folder) the bytes are exactly DeepSpeed's (see the module
-    docstring); without it torch.save streams straight into storage.
+    docstring); without it torch.save streams straight into storage, lending it the tensor data
+    that lies in the ``lending`` regions (see :class:`ChecksumWriter`).
     """
     if scratch_dir is None:
         with storage.open_write(relpath) as stream:
-            writer = ChecksumWriter(stream)
+            writer = ChecksumWriter(stream, lending)
             try:
                 torch.save(obj, writer)
             except Exception as torch_error:

@@ -16,7 +16,9 @@ Either way a :class:`CopyTicket` says when the snapshot is safe.
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
+import mmap
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,10 +27,15 @@ from typing import Any, Callable
 import torch
 
 from async_ckpt.errors import UsageError
+from async_ckpt.storage.base import buffer_address
 
 logger = logging.getLogger("async_ckpt")
 
 CopyPair = tuple[torch.Tensor, torch.Tensor]
+
+#: Host buffers are placed so that address and file offset agree modulo this (a page: any device's
+#: ``O_DIRECT`` alignment).
+PLACEMENT_ALIGN = 4096
 
 
 class CopyTicket:
@@ -60,6 +67,12 @@ class StagedFile:
     obj: Any
     nbytes: int
     deferred: list[CopyPair] = field(default_factory=list)
+    #: (address, size) of the pooled buffers ``obj`` lives in: memory that stays unchanged until the
+    #: file is written, so the writer may lend it to storage instead of copying it.
+    regions: list[tuple[int, int]] = field(default_factory=list)
+    #: Filled by the writer: buffer address -> file offset its bytes were written at. The pool's own
+    #: dict, read by the next snapshot to place each buffer where it can be written with no copy.
+    placements: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,6 +99,11 @@ class StagingPool:
     def __init__(self, *, copier_init: Callable[[], None] | None = None) -> None:
         self._copier_init = copier_init
         self._slots: dict[tuple[str, int], torch.Tensor] = {}
+        self._bases: dict[tuple[str, int], tuple[mmap.mmap, int, int]] = {}  # mapping, start, length
+        self._placements: dict[int, int] = {}
+        self._reserve: mmap.mmap | None = None
+        self._reserve_used = 0
+        self._reserving: threading.Thread | None = None
         self._copier: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}
         self.allocations = 0
@@ -93,6 +111,35 @@ class StagingPool:
     @property
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._slots.values())
+
+    def reserve(self, nbytes: int) -> None:
+        """Map ``nbytes`` of host memory and fault it in on a background thread, so that the first
+        snapshot copies into memory already touched (faulting in fresh pages costs several times the
+        copy) and the first save stalls no longer than the next ones. The first snapshots carve their
+        buffers out of it; :meth:`trim_reserve` gives back what they left."""
+        if nbytes <= 0 or self._reserve is not None:
+            return
+        self._reserve = mmap.mmap(-1, nbytes)
+        self._reserving = threading.Thread(target=_populate, args=(self._reserve,), daemon=True,
+                                           name="async_ckpt-stage-reserve")
+        self._reserving.start()
+
+    def trim_reserve(self) -> None:
+        """After the first save's snapshots: return the reserved memory they did not use to the system."""
+        if self._reserve is None or self._reserving is None:
+            return
+        self._reserving.join()
+        self._reserving = None
+        start = -(-self._reserve_used // mmap.PAGESIZE) * mmap.PAGESIZE
+        if start < len(self._reserve):
+            self._reserve.madvise(mmap.MADV_DONTNEED, start, len(self._reserve) - start)
+        self._reserve_used = len(self._reserve)  # nothing more is carved from it
+
+    @property
+    def aligned_slots(self) -> int:
+        """Host buffers whose address is aligned like the file offset they were last written at."""
+        return sum((t.data_ptr() - self._placements[t.data_ptr()]) % PLACEMENT_ALIGN == 0
+                   for t in self._slots.values() if t.data_ptr() in self._placements)
 
     def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool, compact: bool = False) -> StagedFile:
         """Copy (or, with ``defer``, plan the copy of) every tensor in ``obj`` into pooled buffers.
@@ -105,7 +152,8 @@ class StagingPool:
         with torch.no_grad():
             staged = self._copy_tree(obj, slot_key, counter, memo, pairs, path="")
         nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
-        result = StagedFile(relpath=relpath, obj=staged, nbytes=nbytes)
+        regions = sorted({(dst.untyped_storage().data_ptr(), dst.untyped_storage().nbytes()) for dst, _ in pairs})
+        result = StagedFile(relpath=relpath, obj=staged, nbytes=nbytes, regions=regions, placements=self._placements)
         if defer:
             result.deferred = pairs
         else:
@@ -138,6 +186,12 @@ class StagingPool:
             self._copier.shutdown(wait=True)
             self._copier = None
         self._slots.clear()
+        self._bases.clear()
+        self._placements.clear()
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        self._reserve = None
 
     def _copy_on_side_stream(self, pairs: list[CopyPair]) -> Callable[[], None]:
         device = pairs[0][1].device
@@ -155,12 +209,45 @@ class StagingPool:
         return event.synchronize
 
     def _buffer_for(self, slot: tuple[str, int], nbytes: int, pin: bool) -> torch.Tensor:
-        buf = self._slots.get(slot)
-        if buf is None or buf.numel() != nbytes or (pin and nbytes and not buf.is_pinned()):  # empty never pins
-            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
-            self._slots[slot] = buf
+        if pin:
+            buf = self._slots.get(slot)
+            if buf is None or buf.numel() != nbytes or (nbytes and not buf.is_pinned()):  # empty never pins
+                buf = self._slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+                self.allocations += 1
+            return buf
+        return self._placed_buffer(slot, nbytes)
+
+    def _placed_buffer(self, slot: tuple[str, int], nbytes: int) -> torch.Tensor:
+        """A host buffer whose address is congruent, modulo :data:`PLACEMENT_ALIGN`, to the file offset
+        the same slot's bytes were written at last time (the record layout repeats from save to save).
+
+        Aligned so, a buffer can be written with ``O_DIRECT`` straight from its memory (see
+        :class:`~async_ckpt.storage.local.DirectWriter`). Each buffer sits in an anonymous mapping
+        :data:`PLACEMENT_ALIGN` bytes larger than itself, so moving it costs no new allocation.
+        """
+        buf, base = self._slots.get(slot), self._bases.get(slot)
+        if base is None or base[2] != nbytes + PLACEMENT_ALIGN:
+            base = self._bases[slot] = self._carve(nbytes + PLACEMENT_ALIGN)
+            buf = None
             self.allocations += 1
+        written_at = self._placements.pop(buf.data_ptr(), None) if buf is not None else None
+        if buf is None or (written_at is not None and (buf.data_ptr() - written_at) % PLACEMENT_ALIGN):
+            mapping, start, _ = base
+            shift = ((written_at or 0) - buffer_address(mapping) - start) % PLACEMENT_ALIGN
+            buf = self._slots[slot] = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start + shift) \
+                if nbytes else torch.empty(0, dtype=torch.uint8)
         return buf
+
+    def _carve(self, length: int) -> tuple[mmap.mmap, int, int]:
+        """``length`` bytes of the reserve (once its pages are faulted in), else a new mapping."""
+        if self._reserve is not None and self._reserve_used + length <= len(self._reserve):
+            if self._reserving is not None:
+                self._reserving.join()
+            start = -(-self._reserve_used // PLACEMENT_ALIGN) * PLACEMENT_ALIGN
+            if start + length <= len(self._reserve):
+                self._reserve_used = start + length
+                return self._reserve, start, length
+        return mmap.mmap(-1, length), 0, length
 
     def _view_in_staged_storage(self, src: torch.Tensor, slot_key: str, counter: Any, memo: _Memo,
                                 pairs: list[CopyPair]) -> torch.Tensor:
@@ -233,6 +320,18 @@ class StagingPool:
         except Exception as exc:
             raise UsageError(f"cannot snapshot {path or 'value'} of type {type(obj).__name__}: {exc}; "
                              "client_state values must be copyable (picklable)") from exc
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without writing them
+
+
+def _populate(mapping: mmap.mmap) -> None:
+    """Fault in every page of ``mapping``, off the GIL (ctypes calls release it): ``madvise`` where
+    the kernel can, else by zero-filling it through torch (which releases the GIL too)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(buffer_address(mapping), len(mapping), _MADV_POPULATE_WRITE) != 0:
+        torch.frombuffer(mapping, dtype=torch.uint8).zero_()
 
 
 def _copy_all(pairs: list[CopyPair]) -> None:

@@ -23,7 +23,7 @@ from async_ckpt.handshake import Outcome, brief
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import MARKER_DIR
 from async_ckpt.manifest import FileEntry
-from async_ckpt.serialization import write_torch_file
+from async_ckpt.serialization import Lending, write_torch_file
 
 logger = logging.getLogger("async_ckpt")
 
@@ -89,17 +89,21 @@ class BackgroundWriter:
         try:
             job.ticket.wait()
             started = time.perf_counter()
+            lent = copied = 0
             for staged in job.files:
                 current = staged.relpath
                 if job.max_shard_bytes is None:
+                    lending = Lending(staged.regions, staged.placements)
                     written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag,
-                                                    rank=job.rank, scratch_dir=self._scratch_dir(job)))
+                                                    rank=job.rank, scratch_dir=self._scratch_dir(job), lending=lending))
+                    lent, copied = lent + lending.lent_bytes, copied + lending.copied_bytes
                 else:
                     written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,
                                                  rank=job.rank))
             job.release_buffers()
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)
+            metrics["zero_copy_bytes"] = lent - copied
             metrics["upload_buffer_peak_bytes"] = job.storage.upload_buffer_peak_bytes
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
             job.release_buffers()

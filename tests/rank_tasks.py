@@ -77,24 +77,12 @@ def save_stock_and_async(stage: int, dtype: str, root: str) -> dict:
 
 def save_fast_persist_and_async(stage: int, dtype: str, root: str) -> dict:
     """The same step saved by DeepSpeed's FastPersist engine (its Python writer) and by async_ckpt's defaults."""
-    from deepspeed.runtime.checkpoint_engine.utils import create_checkpoint_engine
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.utils import groups
-
-    for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():  # what the deepspeed launcher sets
-        os.environ.setdefault(key, value)
     engine = workload.make_engine(stage, dtype)
     workload.train(engine, STEPS_BEFORE, _tokens(), _rank())
-    config = dict(engine.config)
-    config["checkpoint"] = {"writer": {"type": "python", "decoupled": False, "io_buffer_size": 16 * 1024 * 1024,
-                                       "io_buffer_double": True, "show_statistics": False, "data_parallel": "socket"}}
-    stock_engine = engine.checkpoint_engine
-    engine.checkpoint_engine = create_checkpoint_engine(DeepSpeedConfig(config), groups, engine.zero_optimization_stage(),
-                                                        engine.has_moe_layers, False)
-    type(engine).save_checkpoint(engine, f"{root}/fast", client_state=dict(CLIENT_STATE))
-    engine.checkpoint_engine = stock_engine
+    tag = f"global_step{engine.global_steps}"
+    _fast_persist_save(engine, f"{root}/fast", tag)
     with async_ckpt.wrap(engine, f"{root}/async") as ckpt:
-        tag = ckpt.save(client_state=dict(CLIENT_STATE)).result(timeout=120).tag
+        ckpt.save(client_state=dict(CLIENT_STATE)).result(timeout=120)
     return {"tag": tag}
 
 
@@ -584,3 +572,54 @@ def hang_on_rank(rank: int, seconds: float) -> dict:
 
 def _stuck_in_a_long_wait(seconds: float) -> None:
     time.sleep(seconds)
+
+
+def _fast_persist_save(engine, root: str, tag: str) -> None:
+    """A save by DeepSpeed's FastPersist engine (its Python writer): torch.save into a stream, as async_ckpt's
+    default writes."""
+    from deepspeed.runtime.checkpoint_engine.utils import create_checkpoint_engine
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import groups
+
+    for key, value in {"CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():  # what the deepspeed launcher sets
+        os.environ.setdefault(key, value)
+    config = dict(engine.config)
+    config["checkpoint"] = {"writer": {"type": "python", "decoupled": False, "io_buffer_size": 16 * 1024 * 1024,
+                                       "io_buffer_double": True, "show_statistics": False, "data_parallel": "socket"}}
+    stock_engine = engine.checkpoint_engine
+    engine.checkpoint_engine = create_checkpoint_engine(DeepSpeedConfig(config), groups, engine.zero_optimization_stage(),
+                                                        engine.has_moe_layers, False)
+    try:
+        type(engine).save_checkpoint(engine, root, tag=tag, client_state=dict(CLIENT_STATE))
+    finally:
+        engine.checkpoint_engine = stock_engine
+
+
+def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3_url: str | None = None,
+                                    s3_options: dict | None = None) -> list[dict]:
+    """Per ZeRO stage and dtype, on the 'small' model (optimizer records of megabytes, so they are lent):
+    two async_ckpt saves with defaults (the second one's buffers placed by the first), FastPersist's save of
+    the same step, optionally the same step to S3, then a fresh engine loads the async save and both
+    engines train one more step."""
+    out = []
+    for stage, dtype in combos:
+        base = f"{root}/zero{stage}-{dtype}"
+        tokens = _tokens()
+        engine = workload.make_engine(stage, dtype, size="small")
+        workload.train(engine, 1, tokens, _rank())
+        with async_ckpt.wrap(engine, f"{base}/async") as ckpt:
+            first = ckpt.save(tag="first", client_state=dict(CLIENT_STATE)).result(timeout=300)
+            workload.train(engine, 1, tokens, _rank())
+            handle = ckpt.save(tag="second", client_state=dict(CLIENT_STATE))
+            handle.result(timeout=300)
+        _fast_persist_save(engine, f"{base}/fast", "second")
+        if s3_url is not None:
+            with async_ckpt.wrap(engine, f"{s3_url}/zero{stage}-{dtype}", storage_options=s3_options) as ckpt:
+                ckpt.save(tag="second", client_state=dict(CLIENT_STATE)).result(timeout=300)
+        losses = workload.train(engine, 1, tokens, _rank())
+        fresh = workload.make_engine(stage, dtype, size="small", seed=1234)
+        fresh.load_checkpoint(f"{base}/async", tag="second")
+        out.append({"combo": f"zero{stage}-{dtype}", "first_bytes": first.bytes_written,
+                    "zero_copy_bytes": handle.metrics["zero_copy_bytes"], "losses": losses,
+                    "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
+    return out

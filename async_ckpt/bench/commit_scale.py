@@ -35,7 +35,7 @@ from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake, Outcome
 from async_ckpt.job import SaveJob
 from async_ckpt.manifest import FileEntry
-from async_ckpt.serialization import format_crc
+from async_ckpt.checksum import format_crc
 from async_ckpt.staging import CopyTicket
 from async_ckpt.storage.base import Storage
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import ctypes
 import uuid
 from typing import BinaryIO, Callable, Iterator
 
@@ -18,8 +19,40 @@ from async_ckpt.errors import StorageError
 #: Bytes per read when a file is streamed through Python (copies, checksums).
 IO_CHUNK = 8 * 1024 * 1024
 
+#: Streams that take lent buffers (``write_borrowed``) copy smaller ones: not worth writes of their own.
+LEND_MIN = 1024 * 1024
+
 #: Called with the number of bytes just transferred (for progress bars).
 Progress = Callable[[int], None]
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (part of the stable ABI since Python 3.11)."""
+
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+
+
+def buffer_address(data: object) -> int:
+    """Memory address of a buffer's first byte, read-only buffers included (torch.save hands its
+    records over as read-only memoryviews, which ``ctypes.c_char.from_buffer`` refuses)."""
+    view = _PyBuffer()
+    if _get_buffer(data, ctypes.byref(view), 0) != 0:
+        raise TypeError(f"{type(data).__name__} does not expose a buffer")
+    try:
+        return view.buf or 0
+    finally:
+        _release_buffer(ctypes.byref(view))
 
 
 class Storage(abc.ABC):

@@ -13,15 +13,18 @@ faster here for checkpoint-sized files (see benchmarks/RESULTS.md). Where ``O_DI
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
+import queue
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import fsspec
 
+from async_ckpt.storage.base import LEND_MIN, buffer_address as _address
 from async_ckpt.storage.fsspec_store import FsspecStorage
 
 
@@ -33,40 +36,71 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-_BLOCK = 4096
+_ALIGN = 4096  # block size the bounce buffers are written in before the device's own is known
 _BOUNCE_BYTES = 32 * 1024 * 1024
+_CHUNK = 32 * 1024 * 1024  # one positioned write of a lent buffer
+_IO_THREADS = 2
+_dio_alignment: dict[int, int] = {}  # st_dev -> the alignment O_DIRECT needs there
 
 
-def _write_all(fd: int, view: memoryview, length: int) -> None:
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
     written = 0
-    while written < length:
-        written += os.write(fd, view[written:length])
+    while written < view.nbytes:
+        written += os.pwrite(fd, view[written:], offset + written)
+
+
+def dio_alignment(fd: int) -> int:
+    """The memory and file-offset alignment ``O_DIRECT`` needs on ``fd``'s device: 512 where the
+    device takes 512-byte blocks, else 4096. Probed once per device with a 512-byte write at offset
+    512, which the file's first (4096-byte) block write overwrites."""
+    device = os.fstat(fd).st_dev
+    if device not in _dio_alignment:
+        with mmap.mmap(-1, _ALIGN) as page, memoryview(page) as view:
+            try:
+                os.pwrite(fd, view[512:1024], 512)
+                _dio_alignment[device] = 512
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                _dio_alignment[device] = _ALIGN
+    return _dio_alignment[device]
 
 
 class DirectWriter:
-    """Write-only stream over an ``O_DIRECT`` file descriptor, double-buffered.
+    """Write-only stream over an ``O_DIRECT`` file descriptor, with positioned writes in parallel.
 
-    ``O_DIRECT`` needs aligned memory and block-multiple lengths, so writes are gathered in
-    page-aligned bounce buffers and written out whole; the last block is zero-padded and the file
-    truncated back to its true size on :meth:`finish`. Two buffers take turns: while a helper
-    thread writes one to the device (``os.write`` releases the GIL), the next one fills with what
-    torch.save serializes, so serialization and the disk work at the same time instead of one
-    after the other. One helper thread keeps the writes in file order; an error it meets is
-    raised by the next :meth:`write` or by :meth:`finish`.
+    ``O_DIRECT`` needs aligned memory, offsets and lengths. Small writes (zip headers, pickles)
+    are gathered in page-aligned bounce buffers, written out whole; two buffers take turns, so
+    one fills while the other is on its way to the device. :meth:`write_borrowed` takes a large
+    buffer the caller promises to keep valid and unchanged until :meth:`finish` (a staging
+    buffer): its aligned middle goes to the device straight from that memory, in chunks written by
+    a few I/O threads at once (``os.pwrite`` releases the GIL), with no copy at all where its
+    address is aligned like its file offset, and otherwise through a copy made in the I/O threads
+    (``ctypes.memmove`` releases the GIL too). Only the few bytes at either end go through the
+    bounce buffer. The last block is zero-padded and the file truncated back to its size on
+    :meth:`finish`. An error an I/O thread meets is raised by the next write or by :meth:`finish`.
     """
 
     def __init__(self, fd: int, buffer_bytes: int = _BOUNCE_BYTES) -> None:
-        if buffer_bytes <= 0 or buffer_bytes % _BLOCK:
-            raise ValueError(f"buffer_bytes must be a positive multiple of {_BLOCK}, got {buffer_bytes}")
+        if buffer_bytes <= 0 or buffer_bytes % _ALIGN:
+            raise ValueError(f"buffer_bytes must be a positive multiple of {_ALIGN}, got {buffer_bytes}")
         self._fd = fd
+        self._align = dio_alignment(fd)
         self._capacity = buffer_bytes
         self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(2)]
         self._views = [memoryview(b) for b in self._buffers]
+        self._buffer_writes: list[Future[None] | None] = [None, None]
         self._current = 0
+        self._start = 0  # file offset of the current bounce buffer's first byte
         self._filled = 0
-        self._in_flight: Future[None] | None = None
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_ckpt-direct-io")
-        self.size = 0
+        self._writes: list[Future[None]] = []
+        self._scratch: queue.Queue[mmap.mmap] | None = None
+        self._io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="async_ckpt-direct-io")
+        self.copied_bytes = 0  # lent bytes that needed a copy (address and offset aligned differently)
+
+    @property
+    def size(self) -> int:
+        return self._start + self._filled
 
     def write(self, data: object) -> int:
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
@@ -77,38 +111,94 @@ class DirectWriter:
             self._filled += take
             view = view[take:]
             if self._filled == self._capacity:
-                self._hand_off(self._capacity)
-        self.size += total
+                self._flush_buffer()
+        return total
+
+    def write_borrowed(self, data: object) -> int:
+        """Write ``data`` without copying it now; it must stay valid and unchanged until :meth:`finish`."""
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        total = view.nbytes
+        head = -self.size % self._align
+        body = (total - head) // self._align * self._align if total >= LEND_MIN else 0
+        if body <= 0:
+            return self.write(view)
+        if head:
+            self.write(view[:head])
+        if self._filled:
+            self._flush_buffer()
+        middle = view[head:head + body]
+        aligned = _address(middle) % self._align == 0
+        for offset in range(0, body, _CHUNK):
+            chunk = middle[offset:offset + _CHUNK]
+            if aligned:
+                self._submit(_write_all, self._fd, chunk, self._start + offset)
+            else:
+                self._submit(self._copy_and_write, chunk, self._start + offset)
+        self.copied_bytes += 0 if aligned else body
+        self._start += body
+        if head + body < total:
+            self.write(view[head + body:])
         return total
 
     def flush(self) -> None:
         pass
 
-    def _hand_off(self, length: int) -> None:
-        """Queue the current buffer for writing and continue in the other once its own write is done."""
-        previous = self._in_flight
-        self._in_flight = self._io.submit(_write_all, self._fd, self._views[self._current], length)
+    def _submit(self, fn: Any, *args: Any) -> Future[None]:
+        for done in [f for f in self._writes if f.done()]:
+            self._writes.remove(done)
+            done.result()  # raises what the I/O thread met
+        future = self._io.submit(fn, *args)
+        self._writes.append(future)
+        return future
+
+    def _flush_buffer(self, length: int | None = None) -> None:
+        """Queue the current bounce buffer for writing and continue in the other once its own write is done."""
+        length = self._filled if length is None else length
+        self._buffer_writes[self._current] = self._submit(_write_all, self._fd, self._views[self._current][:length],
+                                                          self._start)
+        self._start += self._filled
         self._current ^= 1
         self._filled = 0
-        if previous is not None:
-            previous.result()
+        pending = self._buffer_writes[self._current]
+        if pending is not None:
+            pending.result()
+
+    def _copy_and_write(self, chunk: memoryview, offset: int) -> None:
+        """In an I/O thread: copy a lent chunk whose address is not aligned into aligned memory, write it."""
+        if self._scratch is None:
+            self._scratch = queue.Queue()
+            for _ in range(_IO_THREADS):
+                self._scratch.put(mmap.mmap(-1, _CHUNK))
+        buffer = self._scratch.get()
+        try:
+            with memoryview(buffer) as target:
+                ctypes.memmove(_address(target), _address(chunk), chunk.nbytes)
+                _write_all(self._fd, target[:chunk.nbytes], offset)
+        finally:
+            self._scratch.put(buffer)
 
     def finish(self) -> None:
+        size = self.size
         if self._filled:
-            padded = -(-self._filled // _BLOCK) * _BLOCK
+            padded = -(-self._filled // self._align) * self._align
             self._views[self._current][self._filled:padded] = bytes(padded - self._filled)
-            self._hand_off(padded)
-        if self._in_flight is not None:
-            self._in_flight.result()
-            self._in_flight = None
-        os.ftruncate(self._fd, self.size)
+            self._flush_buffer(padded)
+        for future in self._writes:
+            future.result()
+        self._writes.clear()
+        os.ftruncate(self._fd, size)
 
     def release(self) -> None:
-        """Stop the helper thread (after the write in flight, if any) and free the buffers."""
+        """Stop the I/O threads (after the writes in flight) and free the buffers."""
         self._io.shutdown(wait=True)
-        for view, buffer in zip(self._views, self._buffers):
+        self._writes.clear()
+        self._buffer_writes = [None, None]
+        buffers = self._buffers + ([] if self._scratch is None else list(self._scratch.queue))
+        for view in self._views:
             view.release()
-            buffer.close()
+        for buffer in buffers:
+            with contextlib.suppress(BufferError):  # an error's traceback may still hold a slice: freed with it
+                buffer.close()
 
 
 def _open_direct(path: str) -> int | None:

@@ -1,0 +1,59 @@
+"""CRC-32 arithmetic: the manifest's checksum of a whole file from the checksums of its pieces.
+
+torch.save already computes a CRC-32 of every record it writes (the zip format requires one).
+Computing the file's CRC-32 again over the same gigabytes costs as much CPU as torch's own pass,
+on the cores training needs. CRC-32 is linear, so the checksum of a concatenation follows from
+the checksums of its parts and the length of the second: :func:`crc32_combine` does that in
+a few microseconds, whatever the length (polynomial arithmetic modulo the CRC polynomial, the
+method zlib's own ``crc32_combine`` uses; Python's zlib module does not expose it).
+"""
+
+from __future__ import annotations
+
+_POLY = 0xEDB88320  # the CRC-32 polynomial, bit-reflected
+_X0 = 1 << 31  # the polynomial x^0 in the reflected representation
+
+
+def format_crc(crc: int) -> str:
+    """The manifest's spelling of a CRC-32: eight lower-case hex digits."""
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def _multiply(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (both reflected)."""
+    product = 0
+    bit = _X0
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers() -> list[int]:
+    """x^(2^k) modulo the polynomial for k = 0..31 (x^(2^k) repeats with period 32 here)."""
+    table = [_X0 >> 1]  # x^1
+    for _ in range(31):
+        table.append(_multiply(table[-1], table[-1]))
+    return table
+
+
+_X_POW_2K = _powers()
+
+
+def _shift(crc: int, nbytes: int) -> int:
+    """``crc`` multiplied by x^(8 * nbytes): the effect of appending ``nbytes`` zero bytes' worth of length."""
+    factor, k = _X0, 3  # 8 * nbytes = nbytes << 3
+    while nbytes:
+        if nbytes & 1:
+            factor = _multiply(_X_POW_2K[k & 31], factor)
+        nbytes >>= 1
+        k += 1
+    return _multiply(factor, crc)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)``."""
+    return _shift(crc1, len2) ^ crc2 if len2 else crc1

@@ -1,0 +1,138 @@
+"""The zero-copy writer on its own: staging buffers lent to storage give torch.save's bytes and CRC-32.
+
+Large tensor records are written to the device straight from the staging buffers (``O_DIRECT``),
+their CRC-32 taken from the zip data descriptors torch.save writes; these tests pin that the files
+and the manifest's checksums are exactly what the copying path produced before.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import zlib
+
+import pytest
+import torch
+
+from async_ckpt.checksum import crc32_combine, format_crc
+from async_ckpt.serialization import Lending, write_torch_file
+from async_ckpt.staging import PLACEMENT_ALIGN, StagingPool
+from async_ckpt.storage import LocalStorage
+from async_ckpt.storage.base import buffer_address
+from async_ckpt.storage.local import DirectWriter, _open_direct
+
+MiB = 1024 * 1024
+
+
+def _state() -> dict:
+    """Records above and below the lending threshold, views of one storage, an odd-sized storage."""
+    torch.manual_seed(0)
+    flat = torch.randn(3 * MiB // 4 + 5)  # 3 MiB + 20 bytes: lent, with a tail that is not a block
+    return {"flat": flat, "views": [flat[7:11], flat[100:300].view(20, 10)], "small": torch.randn(1000),
+            "moments": {"exp_avg": torch.randn(MiB // 2), "exp_avg_sq": torch.randn(MiB // 2 + 1)},
+            "bf16": torch.randn(MiB + 3).to(torch.bfloat16), "step": 7}
+
+
+def _torch_save_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture()
+def direct_root(tmp_path):
+    fd = _open_direct(str(tmp_path / "probe"))
+    if fd is None:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT: nothing is lent there")
+    os.close(fd)
+    return tmp_path
+
+
+@pytest.mark.parametrize("n1,n2", [(0, 5), (5, 0), (1, 1), (100, 3), (3, 100_000), (12_345, 777_777)])
+def test_crc32_combine_equals_the_crc_of_the_concatenation(n1, n2):
+    a, b = os.urandom(n1), os.urandom(n2)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
+
+
+def test_lent_snapshot_file_and_crc_equal_torch_save_on_every_save(direct_root):
+    pool, storage = StagingPool(), LocalStorage(str(direct_root / "root"))
+    for _ in range(3):  # the first save places nothing yet; the next ones are placed by the first
+        staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+        lending = Lending(staged.regions, staged.placements)
+        entry = write_torch_file(storage, "t/x.pt", staged.obj, tag_dir="t", rank=0, lending=lending)
+        expected = _torch_save_bytes(staged.obj)
+        assert (direct_root / "root" / "t" / "x.pt").read_bytes() == expected
+        assert (entry.size, entry.crc32) == (len(expected), format_crc(zlib.crc32(expected)))
+        assert lending.lent_bytes >= 7 * MiB
+
+
+def test_second_snapshot_is_placed_to_be_written_without_a_copy(direct_root):
+    pool, storage = StagingPool(), LocalStorage(str(direct_root / "root"))
+    copied = []
+    for _ in range(2):
+        staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+        lending = Lending(staged.regions, staged.placements)
+        write_torch_file(storage, "t/x.pt", staged.obj, tag_dir="t", rank=0, lending=lending)
+        copied.append(lending.copied_bytes)
+    assert copied[1] == 0
+    assert all((address - offset) % PLACEMENT_ALIGN == 0 for address, offset in staged.placements.items())
+
+
+def test_placing_buffers_allocates_nothing_new():
+    pool = StagingPool()
+    for _ in range(3):
+        pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    assert pool.allocations == len(pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False).regions)
+
+
+def test_files_without_lending_are_unchanged(direct_root):
+    staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0)
+    expected = _torch_save_bytes(staged.obj)
+    assert (direct_root / "root" / "t" / "x.pt").read_bytes() == expected
+    assert entry.crc32 == format_crc(zlib.crc32(expected))
+
+
+def test_reserved_memory_is_carved_for_the_first_snapshot():
+    pool = StagingPool()
+    pool.reserve(64 * MiB)
+    staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    pool.trim_reserve()
+    start = buffer_address(pool._reserve)
+    assert all(start <= address < start + 64 * MiB for address, size in staged.regions if size >= MiB)
+    assert torch.equal(staged.obj["flat"], _state()["flat"])
+
+
+@pytest.mark.parametrize("misalign", [0, 64], ids=["aligned", "misaligned"])
+def test_direct_writer_lent_buffer_round_trips(direct_root, misalign):
+    """The lent buffer follows a 66-byte header: at memory offset 66 its address is aligned like its file offset."""
+    payload = os.urandom(5 * MiB + 4321)
+    memory = mmap.mmap(-1, len(payload) + 2 * PLACEMENT_ALIGN)
+    start = 66 + misalign
+    memory[start:start + len(payload)] = payload
+    path = direct_root / "lent.bin"
+    fd = _open_direct(str(path))
+    writer = DirectWriter(fd, buffer_bytes=1 * MiB)
+    try:
+        writer.write(b"header" * 11)  # the lent buffer starts off a block boundary
+        with memoryview(memory) as view:
+            writer.write_borrowed(view[start:start + len(payload)])
+            writer.write(b"trailer")
+            writer.finish()
+    finally:
+        writer.release()
+        os.close(fd)
+    assert path.read_bytes() == b"header" * 11 + payload + b"trailer"
+    assert (writer.copied_bytes == 0) == (misalign == 0)
+
+
+def test_crc_is_computed_here_when_torch_does_not_write_one(direct_root, monkeypatch):
+    import torch.utils.serialization as settings
+
+    monkeypatch.setattr(settings.config.save, "compute_crc32", False)
+    staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    lending = Lending(staged.regions, staged.placements)
+    entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                             lending=lending)
+    assert lending.lent_bytes and entry.crc32 == format_crc(zlib.crc32((direct_root / "root" / "t" / "x.pt").read_bytes()))
