@@ -15,6 +15,7 @@ records, so a pipe the reader thread has not drained deadlocks the process.)
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import struct
@@ -94,6 +95,16 @@ class ChecksumWriter:
         self.size += view.nbytes
         return view.nbytes
 
+    def write_ahead(self) -> None:
+        """Start writing every lent buffer whose file offset the previous save recorded (the sink writes
+        it while torch.save still computes the CRC-32 of the records before it)."""
+        if self._lending is None or not hasattr(self._sink, "write_ahead"):
+            return
+        for address, size in self._lending.regions:
+            offset = self._lending.placements.get(address)
+            if offset is not None and size >= LEND_MIN:
+                self._sink.write_ahead((ctypes.c_char * size).from_address(address), offset)
+
     def _lendable(self, view: memoryview) -> bool:
         """Whether ``view`` lies in lendable memory; if so, its file offset is noted in the placements."""
         if view.nbytes < LEND_MIN or self._lending is None:
@@ -153,6 +164,7 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
     if scratch_dir is None:
         with storage.open_write(relpath) as stream:
             writer = ChecksumWriter(stream, lending)
+            writer.write_ahead()
             try:
                 torch.save(obj, writer)
             except Exception as torch_error:

@@ -71,7 +71,8 @@ class StagedFile:
     #: file is written, so the writer may lend it to storage instead of copying it.
     regions: list[tuple[int, int]] = field(default_factory=list)
     #: Filled by the writer: buffer address -> file offset its bytes were written at. The pool's own
-    #: dict, read by the next snapshot to place each buffer where it can be written with no copy.
+    #: dict: the next snapshot places each buffer where it can be written with no copy, and the next
+    #: write starts writing it there before torch.save reaches it (the layout repeats).
     placements: dict[int, int] = field(default_factory=dict)
 
 
@@ -230,12 +231,16 @@ class StagingPool:
             base = self._bases[slot] = self._carve(nbytes + PLACEMENT_ALIGN)
             buf = None
             self.allocations += 1
-        written_at = self._placements.pop(buf.data_ptr(), None) if buf is not None else None
+        written_at = self._placements.get(buf.data_ptr()) if buf is not None else None
         if buf is None or (written_at is not None and (buf.data_ptr() - written_at) % PLACEMENT_ALIGN):
+            if buf is not None:
+                del self._placements[buf.data_ptr()]
             mapping, start, _ = base
             shift = ((written_at or 0) - buffer_address(mapping) - start) % PLACEMENT_ALIGN
             buf = self._slots[slot] = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start + shift) \
                 if nbytes else torch.empty(0, dtype=torch.uint8)
+            if written_at is not None:  # the next write of this slot is expected at the same offset
+                self._placements[buf.data_ptr()] = written_at
         return buf
 
     def _carve(self, length: int) -> tuple[mmap.mmap, int, int]:

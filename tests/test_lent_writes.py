@@ -136,3 +136,27 @@ def test_crc_is_computed_here_when_torch_does_not_write_one(direct_root, monkeyp
     entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
                              lending=lending)
     assert lending.lent_bytes and entry.crc32 == format_crc(zlib.crc32((direct_root / "root" / "t" / "x.pt").read_bytes()))
+
+
+@pytest.mark.parametrize("guess", [66, 66 + 4096, 10 * MiB], ids=["right", "wrong", "past_the_end"])
+def test_writes_ahead_at_any_guessed_offset_leave_the_exact_file(direct_root, guess):
+    """A buffer written ahead where the previous save had it: right, it is not written again; wrong
+    (overlapping what comes after it, or past the file's end), the file is still exactly the stream."""
+    payload, trailer = os.urandom(5 * MiB + 4321), os.urandom(3000) * 2000
+    memory = mmap.mmap(-1, len(payload) + 2 * PLACEMENT_ALIGN)
+    memory[66:66 + len(payload)] = payload  # aligned like file offset 66 (after the header below)
+    path = direct_root / "ahead.bin"
+    fd = _open_direct(str(path))
+    writer = DirectWriter(fd, buffer_bytes=1 * MiB)
+    try:
+        with memoryview(memory) as view:
+            lent = view[66:66 + len(payload)]
+            writer.write_ahead(lent, guess)
+            writer.write(b"header" * 11)
+            writer.write_borrowed(lent)
+            writer.write(trailer)  # 6 MB after it, over the wrong guess's bytes
+            writer.finish()
+    finally:
+        writer.release()
+        os.close(fd)
+    assert path.read_bytes() == b"header" * 11 + payload + trailer

@@ -94,6 +94,7 @@ class DirectWriter:
         self._start = 0  # file offset of the current bounce buffer's first byte
         self._filled = 0
         self._writes: list[Future[None]] = []
+        self._ahead: list[tuple[int, int, int, list[Future[None]]]] = []  # offset, length, address, writes
         self._scratch: queue.Queue[mmap.mmap] | None = None
         self._io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="async_ckpt-direct-io")
         self.copied_bytes = 0  # lent bytes that needed a copy (address and offset aligned differently)
@@ -114,6 +115,25 @@ class DirectWriter:
                 self._flush_buffer()
         return total
 
+    def write_ahead(self, data: object, offset: int) -> None:
+        """Start writing a lent buffer at the file offset it is expected at, before the stream reaches it.
+
+        If :meth:`write_borrowed` later hands over the same memory at the same offset, it is already
+        written or on its way. If not, the bytes written ahead are overwritten: every later write
+        first waits for the writes ahead it overlaps, and the file's every byte is written again by
+        the stream (anything past its end is cut off by :meth:`finish`).
+        """
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        head = -offset % self._align
+        body = (view.nbytes - head) // self._align * self._align
+        middle = view[head:head + body]
+        if body <= 0 or (_address(middle) - offset - head) % self._align:
+            return
+        writes = [self._io.submit(_write_all, self._fd, middle[i:i + _CHUNK], offset + head + i)
+                  for i in range(0, body, _CHUNK)]
+        self._writes += writes
+        self._ahead.append((offset + head, body, _address(middle), writes))
+
     def write_borrowed(self, data: object) -> int:
         """Write ``data`` without copying it now; it must stay valid and unchanged until :meth:`finish`."""
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
@@ -127,14 +147,19 @@ class DirectWriter:
         if self._filled:
             self._flush_buffer()
         middle = view[head:head + body]
-        aligned = _address(middle) % self._align == 0
-        for offset in range(0, body, _CHUNK):
-            chunk = middle[offset:offset + _CHUNK]
-            if aligned:
-                self._submit(_write_all, self._fd, chunk, self._start + offset)
-            else:
-                self._submit(self._copy_and_write, chunk, self._start + offset)
-        self.copied_bytes += 0 if aligned else body
+        expected = (self._start, body, _address(middle))
+        ahead = next((a for a in self._ahead if a[:3] == expected), None)
+        if ahead is not None:
+            self._ahead.remove(ahead)  # already written where it belongs
+        else:
+            aligned = _address(middle) % self._align == 0
+            for offset in range(0, body, _CHUNK):
+                chunk = middle[offset:offset + _CHUNK]
+                if aligned:
+                    self._submit(self._start + offset, chunk.nbytes, _write_all, self._fd, chunk, self._start + offset)
+                else:
+                    self._submit(self._start + offset, chunk.nbytes, self._copy_and_write, chunk, self._start + offset)
+            self.copied_bytes += 0 if aligned else body
         self._start += body
         if head + body < total:
             self.write(view[head + body:])
@@ -143,10 +168,16 @@ class DirectWriter:
     def flush(self) -> None:
         pass
 
-    def _submit(self, fn: Any, *args: Any) -> Future[None]:
+    def _submit(self, offset: int, length: int, fn: Any, *args: Any) -> Future[None]:
+        """Run ``fn(*args)``, a write of ``length`` bytes at ``offset``, on an I/O thread once the writes
+        ahead that overlap it are done (theirs were the wrong bytes)."""
         for done in [f for f in self._writes if f.done()]:
             self._writes.remove(done)
             done.result()  # raises what the I/O thread met
+        for ahead in [a for a in self._ahead if a[0] < offset + length and offset < a[0] + a[1]]:
+            self._ahead.remove(ahead)
+            for write in ahead[3]:
+                write.result()
         future = self._io.submit(fn, *args)
         self._writes.append(future)
         return future
@@ -154,8 +185,8 @@ class DirectWriter:
     def _flush_buffer(self, length: int | None = None) -> None:
         """Queue the current bounce buffer for writing and continue in the other once its own write is done."""
         length = self._filled if length is None else length
-        self._buffer_writes[self._current] = self._submit(_write_all, self._fd, self._views[self._current][:length],
-                                                          self._start)
+        self._buffer_writes[self._current] = self._submit(self._start, length, _write_all, self._fd,
+                                                          self._views[self._current][:length], self._start)
         self._start += self._filled
         self._current ^= 1
         self._filled = 0
@@ -186,12 +217,14 @@ class DirectWriter:
         for future in self._writes:
             future.result()
         self._writes.clear()
+        self._ahead.clear()
         os.ftruncate(self._fd, size)
 
     def release(self) -> None:
         """Stop the I/O threads (after the writes in flight) and free the buffers."""
         self._io.shutdown(wait=True)
         self._writes.clear()
+        self._ahead.clear()
         self._buffer_writes = [None, None]
         buffers = self._buffers + ([] if self._scratch is None else list(self._scratch.queue))
         for view in self._views:
