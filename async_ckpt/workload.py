@@ -1,5 +1,8 @@
 """A small GPT-style DeepSpeed training workload: the demo, the benchmark and the tests train it.
 
+A second workload, a stack of large ``Linear`` layers (:func:`make_mlp_engine`), gives the save
+benchmark long, CPU-heavy steps (``async-ckpt bench --workload mlp``).
+
 Everything is built locally and deterministically (random-init model from a config, tokenizer
 trained on an embedded text), so runs need no network and two runs of the same steps give
 bitwise the same losses. It ships in the package because ``async-ckpt demo`` and ``async-ckpt bench``
@@ -95,12 +98,80 @@ def batch(step: int, rank: int, engine: Any, tokens: torch.Tensor) -> torch.Tens
     return torch.stack([tokens[s:s + seq_len] for s in starts.tolist()]).to(engine.device)
 
 
-def train(engine: Any, steps: int, tokens: torch.Tensor, rank: int) -> list[float]:
-    """Run ``steps`` optimizer steps from the engine's current step; return the losses."""
+# The second workload: long, CPU-heavy steps and a large optimizer state, as in a user report
+# (2 CPU ranks, ZeRO-3 fp32: ~0.87 GB per save, ~5.9 s per step). A GPT step on this machine takes a
+# fraction of a second, so a background writer barely overlaps it; this one shows how much a save
+# in flight slows a step that keeps every core busy for seconds.
+MLP_SIZES = {
+    # name: (n_linear, width, micro_batch)
+    "tiny": (2, 256, 8),  # the --quick smoke run
+    "small": (4, 1024, 16),
+    "bench": (8, 3072, 64),  # the report's model: 75.5 M parameters, 0.91 GB of fp32 Adam state over the ranks
+}
+
+
+class MLP(torch.nn.Module):
+    """``n_linear`` square ``Linear(width, width)`` layers with a ReLU between; the forward returns
+    a scalar loss (the mean of the squared output), so no labels are needed."""
+
+    def __init__(self, n_linear: int, width: int) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for i in range(n_linear):
+            if i:
+                layers.append(torch.nn.ReLU())
+            layers.append(torch.nn.Linear(width, width))
+        self.layers = torch.nn.Sequential(*layers)
+        self.width = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bf16 engines cast the weights, not the inputs: follow the first layer's dtype
+        out = self.layers(x.to(self.layers[0].weight.dtype))
+        return out.float().pow(2).mean()
+
+
+def build_mlp(size: str = "bench", seed: int = 0) -> MLP:
+    """The MLP of ``MLP_SIZES[size]``, initialised from ``seed`` (the same on every rank and run)."""
+    n_linear, width, _ = MLP_SIZES[size]
+    torch.manual_seed(seed)
+    return MLP(n_linear, width)
+
+
+def make_mlp_engine(stage: int, dtype: str = "fp32", *, size: str = "bench", seed: int = 0) -> Any:
+    """``deepspeed.initialize`` on :func:`build_mlp` with the GPT workload's :func:`ds_config` (only
+    the micro-batch differs); every rank must call it."""
+    import deepspeed
+
+    model = build_mlp(size, seed=seed)
+    config = ds_config(stage, dtype, micro_batch=MLP_SIZES[size][2])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def mlp_batch(step: int, rank: int, engine: Any) -> torch.Tensor:
+    """The MLP's micro-batch of ``rank`` at ``step``: normal random inputs, the same on every run,
+    different across ranks (seeded like :func:`batch`)."""
+    gen = torch.Generator().manual_seed(step * 1009 + rank)
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), engine.module.width, generator=gen)
+    return x.to(engine.device)
+
+
+def _loss(engine: Any, step: int, rank: int, tokens: torch.Tensor | None) -> torch.Tensor:
+    """The forward pass of either workload: the MLP needs no tokens, the GPT model needs them."""
+    if isinstance(engine.module, MLP):
+        return engine(mlp_batch(step, rank, engine))
+    ids = batch(step, rank, engine, tokens)
+    return engine(input_ids=ids, labels=ids).loss
+
+
+def train(engine: Any, steps: int, tokens: torch.Tensor | None, rank: int) -> list[float]:
+    """Run ``steps`` optimizer steps from the engine's current step; return the losses.
+
+    Trains either workload (the GPT model of :func:`make_engine` on ``tokens``, or the MLP of
+    :func:`make_mlp_engine`, which takes ``tokens=None``)."""
     losses = []
     for _ in range(steps):
-        ids = batch(int(engine.global_steps), rank, engine, tokens)
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = _loss(engine, int(engine.global_steps), rank, tokens)
         engine.backward(loss)
         engine.step()
         losses.append(loss.float().item())

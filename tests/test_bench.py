@@ -24,7 +24,7 @@ def test_bench_writes_json_with_every_method(bench):
     out, _ = bench
     data = json.loads((out / "results.json").read_text())
     assert set(data["summary"]["methods"]) == set(METHODS)
-    assert data["machine"]["cpus"] >= 1
+    assert data["machine"]["cpus"] >= 1 and data["config"]["workload"] == "gpt"
 
 
 def test_bench_reports_every_metric_for_each_method_that_ran(bench):
@@ -106,7 +106,8 @@ def test_tiered_bench_reports_saves_to_both_tiers_and_three_comparable_restarts(
     assert set(restarts) == {"local", "bucket", "stock"}
     for how, restart in restarts.items():
         assert restart["restart_s"] > restart["load_s"] > 0, how
-        assert (restart["tag"], restart["global_steps"]) == (summary["resumed"]["tag"], summary["resumed"]["global_steps"])
+        assert (restart["tag"], restart["global_steps"]) == (summary["resumed"]["tag"],
+                                                             summary["resumed"]["global_steps"])
         assert restart["first_loss_as_saved"] is True, how
         assert restart["bytes_read"] > 0
     assert restarts["local"]["bytes_downloaded"] == 0
@@ -116,3 +117,35 @@ def test_tiered_bench_reports_saves_to_both_tiers_and_three_comparable_restarts(
         assert all(f"from the {tier} tier" in line for line in restarts[how]["tiers"]), how
     assert summary["bucket_over_local"] > 0 and summary["stock_over_local"] > 0
     assert "Tiered checkpoints" in (out / "table.md").read_text()
+
+
+def _quick_bench(tmp_path, *args):
+    """A --quick bench run through the command line; returns results.json."""
+    from async_ckpt.bench.save_bench import main as bench_main
+
+    out = tmp_path / "out"
+    assert bench_main(["--quick", "--out", str(out), "--workdir", str(tmp_path / "work"), *args]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def _assert_every_save_durable(data, methods):
+    assert list(data["summary"]["methods"]) == methods
+    for name in methods:
+        assert "skipped" not in data["summary"]["methods"][name], name
+        for rank in data["ranks"]:
+            saves = rank["methods"][name]["saves"]
+            assert len(saves) == data["config"]["saves"] == 2, name
+            assert all(save["durable_s"] is not None and save["durable_s"] > 0 for save in saves), name
+        assert data["summary"]["methods"][name]["bytes_per_save"] > 0, name
+
+
+def test_bench_mlp_workload_trains_the_linear_stack_and_saves_with_each_method(tmp_path):
+    data = _quick_bench(tmp_path, "--workload", "mlp", "--methods", "stock,async_ckpt")
+    assert data["config"]["workload"] == "mlp" and data["config"]["size"] == "tiny"
+    _assert_every_save_durable(data, ["stock", "async_ckpt"])
+    from async_ckpt.workload import MLP_SIZES
+
+    n_linear, width, _ = MLP_SIZES["tiny"]
+    fp32_adam_state = n_linear * (width * width + width) * 12  # master weights and two moments, over the ranks
+    assert data["summary"]["methods"]["async_ckpt"]["bytes_per_save"] > fp32_adam_state
+

@@ -3,6 +3,8 @@
 Run ``async-ckpt bench`` (or ``python -m async_ckpt.bench.save_bench``); ``--quick`` for a smoke run,
 ``--target s3`` for an embedded moto S3 server on 127.0.0.1 (or ``--url``/``--endpoint``),
 ``--target tiered`` for tiered checkpoints (local tier, then S3) and restarts (:mod:`async_ckpt.bench.tiered`).
+``--workload mlp`` trains a stack of large Linear layers instead of the small GPT model: long, CPU-heavy
+steps and ~0.9 GB of ZeRO-3 fp32 state per save (see :data:`async_ckpt.workload.MLP_SIZES`).
 Methods run one after the other on the same engine and steps, so ratios hold on a noisy machine.
 """
 
@@ -18,10 +20,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from async_ckpt.workload import SIZES
+from async_ckpt.workload import MLP_SIZES, SIZES
 from async_ckpt.bench.methods import METHODS
 
 ALL_METHODS = list(METHODS)
+WORKLOADS = ("gpt", "mlp")
 
 
 @dataclass
@@ -39,6 +42,7 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
     out: str = "bench_out"
     workdir: str | None = None
+    workload: str = "gpt"  # "mlp": async_ckpt.workload.make_mlp_engine, sized by `size` in MLP_SIZES
 
     @classmethod
     def quick(cls, **overrides: Any) -> "BenchConfig":
@@ -65,8 +69,12 @@ def bench_rank(cfg: dict, target: dict) -> dict:
 
     rank = dist.get_rank()
     proc = psutil.Process()
-    engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"])
-    tokens = workload.token_stream()
+    if cfg["workload"] == "mlp":
+        engine = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"])
+        tokens = None  # the MLP trains on random inputs
+    else:
+        engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"])
+        tokens = workload.token_stream()
     peak_rss = proc.memory_info().rss
     steps: list[dict] = []
 
@@ -99,7 +107,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             method.poll()
         finish_started = time.time()
         method.finish()
-        entry = {"note": method.note, "finish_wait_s": time.time() - finish_started, "bytes_per_save": method.bytes_per_save}
+        entry = {"note": method.note, "finish_wait_s": time.time() - finish_started,
+                 "bytes_per_save": method.bytes_per_save}
         for i, save in enumerate(saves):
             save["durable_s"] = method.durable_s[i] if i < len(method.durable_s) else None
             save["extra_stall_s"] = method.extra_stall_s[i] if i < len(method.extra_stall_s) else 0.0
@@ -158,7 +167,14 @@ def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
 
 def run(cfg: BenchConfig) -> dict:
     """Run the benchmark; write ``results.json``, ``timeline.png`` and print the table."""
+    if cfg.workload not in WORKLOADS:
+        raise SystemExit(f"unknown workload {cfg.workload!r}; choose from {list(WORKLOADS)}")
+    sizes = MLP_SIZES if cfg.workload == "mlp" else SIZES
+    if cfg.size not in sizes:
+        raise SystemExit(f"--workload {cfg.workload} has no size {cfg.size!r}; choose from {list(sizes)}")
     if cfg.target == "tiered":
+        if cfg.workload != "gpt":
+            raise SystemExit("--target tiered trains the gpt workload only")
         from async_ckpt.bench.tiered import run as run_tiered
 
         return run_tiered(cfg)
@@ -196,7 +212,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one rank per GPU over NCCL, pinned staging on a side stream")
     parser.add_argument("--ranks", type=int, default=None, help="default: 2 on cpu, every visible GPU on cuda")
-    parser.add_argument("--size", choices=list(SIZES), default=None)
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="gpt",
+                        help="gpt: the small GPT model; mlp: 8 x Linear(3072) at micro-batch 64, long CPU-heavy "
+                             "steps (--quick: 2 x Linear(256), batch 8)")
+    parser.add_argument("--size", choices=list(SIZES), default=None,
+                        help=f"model size (--workload mlp: one of {list(MLP_SIZES)})")
     parser.add_argument("--saves", type=int, default=None, help="saves per method")
     parser.add_argument("--steps-between", type=int, default=None)
     parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
@@ -227,7 +247,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                           "target": "s3" if args.url and args.target != "tiered" else args.target,
                           "url": args.url, "endpoint": args.endpoint,
                           "methods": [m for m in args.methods.split(",") if m], "out": args.out,
-                          "workdir": args.workdir})
+                          "workdir": args.workdir, "workload": args.workload})
 
 
 def main(argv: list[str] | None = None) -> int:
