@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from async_ckpt.bench.methods import METHODS
-from async_ckpt.bench.save_bench import BenchConfig, run
+from async_ckpt.bench.methods import METHODS, ON_REQUEST
+from async_ckpt.bench.save_bench import DEFAULT_METHODS, BenchConfig, run
 
 METRICS = {"stall_s", "durable_s", "persist_gbps", "persist_vs_floor", "stall_vs_copy_floor", "bytes_per_save",
            "slowdown_while_persisting"}
@@ -23,7 +23,8 @@ def bench(request, tmp_path_factory):
 def test_bench_writes_json_with_every_method(bench):
     out, _ = bench
     data = json.loads((out / "results.json").read_text())
-    assert set(data["summary"]["methods"]) == set(METHODS)
+    assert set(data["summary"]["methods"]) == set(DEFAULT_METHODS) == set(METHODS) - set(ON_REQUEST)
+    assert "async_ckpt_process" not in DEFAULT_METHODS  # a prototype: run when named only
     assert data["machine"]["cpus"] >= 1 and data["config"]["workload"] == "gpt"
 
 
@@ -149,3 +150,52 @@ def test_bench_mlp_workload_trains_the_linear_stack_and_saves_with_each_method(t
     fp32_adam_state = n_linear * (width * width + width) * 12  # master weights and two moments, over the ranks
     assert data["summary"]["methods"]["async_ckpt"]["bytes_per_save"] > fp32_adam_state
 
+
+def test_bench_writer_process_prototype_writes_the_same_bytes_as_the_writer_thread(tmp_path):
+    data = _quick_bench(tmp_path, "--methods", "async_ckpt,async_ckpt_process")
+    _assert_every_save_durable(data, ["async_ckpt", "async_ckpt_process"])
+    methods = data["summary"]["methods"]
+    assert methods["async_ckpt_process"]["bytes_per_save"] == methods["async_ckpt"]["bytes_per_save"]
+    for rank in data["ranks"]:
+        ours = rank["methods"]["async_ckpt_process"]
+        assert ours["bytes_per_save"] == rank["methods"]["async_ckpt"]["bytes_per_save"]
+        assert "writer process" in ours["note"] and " 0 files" not in ours["note"]
+
+
+def test_writer_process_serializes_in_its_worker_and_restores_the_writer(tmp_path):
+    import os
+
+    import torch
+
+    import async_ckpt.writer as writer_module
+    from async_ckpt.bench.writer_process import WriterProcess
+    from async_ckpt.serialization import write_torch_file
+    from async_ckpt.storage import open_storage
+    from async_ckpt.storage.local import LocalStorage
+
+    storage = LocalStorage(str(tmp_path / "root"))
+    flat = torch.arange(64, dtype=torch.float32)
+    tagged = torch.zeros(5)
+    tagged.ds_id = "0_27"  # ZeRO-3 tags its flat groups; torch.save writes the attribute, so must the worker
+    obj = {"a": flat[:32].view(4, 8), "b": [flat[32:], torch.ones(3, dtype=torch.int64)], "step": 7, "g": [tagged]}
+    thread_entry = write_torch_file(storage, "t1/thread.pt", obj, tag_dir="t1", rank=0)
+    original = writer_module.write_torch_file
+    worker = WriterProcess()
+    try:
+        worker.patch()
+        assert writer_module.write_torch_file != original
+        entry = writer_module.write_torch_file(storage, "t2/thread.pt", obj, tag_dir="t2", rank=0)
+        assert flat.is_shared() and worker.stats["files"] == 1
+        assert (entry.path, entry.size, entry.crc32) == (thread_entry.path, thread_entry.size, thread_entry.crc32)
+        loaded = torch.load(os.path.join(storage.root, "t2", "thread.pt"))
+        assert torch.equal(loaded["a"], obj["a"]) and torch.equal(loaded["b"][0], flat[32:])
+        assert loaded["g"][0].ds_id == "0_27"
+        (tmp_path / "root" / "blocked").write_text("a file where the tag folder should go")
+        with pytest.raises(OSError):  # the worker's error is raised in the caller
+            writer_module.write_torch_file(storage, "blocked/x.pt", obj, tag_dir="blocked", rank=0)
+        with pytest.raises(RuntimeError, match="local folders only"):
+            writer_module.write_torch_file(open_storage("memory://bench/x"), "t3/x.pt", obj, tag_dir="t3", rank=0)
+    finally:
+        worker.close()
+    assert writer_module.write_torch_file is original
+    assert worker._proc.exitcode is not None

@@ -280,6 +280,44 @@ class AsyncCkptExact(AsyncCkpt):
         super().__init__(engine, target, rank, exact_bytes=True)
 
 
+class AsyncCkptProcess(AsyncCkpt):
+    """PROTOTYPE, run on request only: defaults, but each file is serialized by a writer *process* per rank
+    instead of the writer thread (:mod:`async_ckpt.bench.writer_process`); local targets only."""
+
+    name = "async_ckpt_process"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        from async_ckpt.bench.writer_process import WriterProcess
+
+        if target["kind"] != "local":
+            raise RuntimeError("the writer-process prototype writes to local disk only")
+        self.worker = WriterProcess()
+        try:
+            self.worker.patch()
+            super().__init__(engine, target, rank)
+        except BaseException:
+            self.worker.close()
+            raise
+        self.note = "prototype: " + self.worker.summary()
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except BaseException:
+            self.worker.close()  # also on error: the worker never outlives the method
+            raise
+        finally:
+            self.note = "prototype: " + self.worker.summary()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.worker.close()
+
+
 METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptExact,
-                               AsyncCkptOverlap, AsyncCkptTuned)}
+                               AsyncCkptOverlap, AsyncCkptTuned, AsyncCkptProcess)}
+#: Methods that run only when named in ``--methods`` (prototypes), not in the default comparison.
+ON_REQUEST = (AsyncCkptProcess.name,)
 

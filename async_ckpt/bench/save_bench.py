@@ -21,9 +21,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from async_ckpt.workload import MLP_SIZES, SIZES
-from async_ckpt.bench.methods import METHODS
+from async_ckpt.bench.methods import METHODS, ON_REQUEST
 
 ALL_METHODS = list(METHODS)
+#: What a run without --methods compares: every method but the prototypes run on request only.
+DEFAULT_METHODS = [m for m in METHODS if m not in ON_REQUEST]
 WORKLOADS = ("gpt", "mlp")
 
 
@@ -39,7 +41,7 @@ class BenchConfig:
     target: str = "local"
     url: str | None = None
     endpoint: str | None = None
-    methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     out: str = "bench_out"
     workdir: str | None = None
     workload: str = "gpt"  # "mlp": async_ckpt.workload.make_mlp_engine, sized by `size` in MLP_SIZES
@@ -223,7 +225,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiered: saves to a node-local tier drained to S3 (moto, or --url), and restart times")
     parser.add_argument("--url", default=None, help="s3://bucket/prefix (default: an embedded moto server)")
     parser.add_argument("--endpoint", default=None, help="S3 endpoint URL for --url")
-    parser.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"comma-separated subset of {ALL_METHODS} (default: all but {', '.join(ON_REQUEST)})")
     parser.add_argument("--out", default="bench_out", help="folder for results.json and timeline.png")
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp folder)")
 
