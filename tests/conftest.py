@@ -9,6 +9,7 @@ a shared build folder lets another environment's half-built op be loaded. Remove
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -17,6 +18,9 @@ import tempfile
 import pytest
 
 RUN_DIR = tempfile.mkdtemp(prefix="async_ckpt_tests_")
+# Registered before multiprocessing is imported, so this runs after multiprocessing's own exit hook
+# (atexit runs last-in first-out), which removes the folders it made in RUN_DIR itself.
+atexit.register(shutil.rmtree, RUN_DIR, ignore_errors=True)
 os.environ["TMPDIR"] = RUN_DIR
 os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(RUN_DIR, "torch_extensions")
 tempfile.tempdir = None  # recomputed from TMPDIR on next use
@@ -32,10 +36,6 @@ if not os.environ.get("ASYNC_CKPT_TEST_S3_ENDPOINT"):
     for key, value in DUMMY_ENV.items():  # ranks inherit these: credentials from the standard AWS environment
         os.environ.setdefault(key, value)
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
 class Ranks:

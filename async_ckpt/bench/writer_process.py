@@ -37,9 +37,9 @@ default ``torch.save`` path is moved (``max_shard_bytes`` weight shards are not)
 buffers are moved to shared memory at the first save and stay there (shared memory is
 ``/dev/shm``, which must be large enough for a rank's whole staged state); one file is in
 flight at a time per rank, as with the thread. The worker lends the shared staging memory to the
-local writer as the thread does (``stable``, recomputed at the worker's addresses), but records no
-``placements``: the staging pool does not place its buffers to match file offsets, so the
-in-process writer's writes-ahead do not happen here. It patches a module global of a running
+local writer as the thread does (a :class:`~async_ckpt.serialization.Lending` recomputed at the
+worker's addresses), but records no placements: the staging pool does not place its buffers to
+match file offsets, so the in-process writer's writes ahead do not happen here. It patches a module global of a running
 process, which is fine for a benchmark and not a design for the library.
 """
 
@@ -150,12 +150,9 @@ def _worker_main(requests: Any, results: Any, nice: int) -> None:
             os.nice(nice)
         except OSError:
             pass
-    import inspect
-
-    from async_ckpt.serialization import write_torch_file
+    from async_ckpt.serialization import Lending, write_torch_file
     from async_ckpt.storage.local import LocalStorage
 
-    can_lend = "stable" in inspect.signature(write_torch_file).parameters
     try:  # unpickling a DeepSpeed state imports DeepSpeed's classes: here, not in the first save
         import deepspeed  # noqa: F401
     except Exception:
@@ -173,8 +170,8 @@ def _worker_main(requests: Any, results: Any, nice: int) -> None:
             root, relpath, obj, tag_dir, rank, options, kwargs = request
             key = (root, tuple(sorted(options.items())))
             storage = storages.get(key) or storages.setdefault(key, LocalStorage(root, **options))
-            if kwargs.pop("lend", False) and can_lend:  # the same shared staging memory, at this process's addresses
-                kwargs["stable"] = _stable_regions(obj)
+            if kwargs.pop("lend", False):  # the same shared staging memory, at this process's addresses
+                kwargs["lending"] = Lending(_stable_regions(obj))
             entry = write_torch_file(storage, relpath, obj, tag_dir=tag_dir, rank=rank, **kwargs)
             answer: tuple = ("ok", entry, time.perf_counter() - started)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the writer thread
@@ -224,22 +221,21 @@ class WriterProcess:
                     raise RuntimeError(f"the writer process did not answer within {timeout_s:.0f} s ({what})")
 
     def write_torch_file(self, storage: Any, relpath: str, obj: Any, *, tag_dir: str, rank: int,
-                         scratch_dir: str | None = None, stable: Any = (), placements: Any = None,
-                         **kwargs: Any) -> FileEntry:
+                         scratch_dir: str | None = None, lending: Any = None, **kwargs: Any) -> FileEntry:
         """Drop-in for :func:`async_ckpt.serialization.write_torch_file`, run by the worker process.
 
-        ``stable`` (address ranges of the staging buffers, whose tensor data the writer may lend to
-        the storage instead of copying) holds addresses in this process: the worker recomputes them
-        in its own memory, where the same shared buffers are mapped. ``placements`` (where each lent
-        buffer landed in the file, used to align the next save's buffers) is not filled: the worker's
-        addresses mean nothing here, so the staging buffers keep their place (and stay shared)."""
+        ``lending`` (the staging buffers, whose tensor data the writer may lend to the storage instead
+        of copying) holds addresses in this process: the worker recomputes them in its own memory,
+        where the same shared buffers are mapped. Its ``placements`` (where each lent buffer landed in
+        the file, used to place the next save's buffers and to write them ahead) are not filled: the
+        worker's addresses mean nothing here, so the staging buffers keep their place (and stay shared)."""
         from async_ckpt.storage.local import LocalStorage
 
         if not isinstance(storage, LocalStorage):
             where = getattr(storage, "url", storage)
             raise RuntimeError(f"the writer-process prototype writes local folders only, not {where!r}")
         options = {"fsync": getattr(storage, "fsync", True), "direct_io": getattr(storage, "direct_io", True)}
-        kwargs = {**kwargs, "scratch_dir": scratch_dir, "lend": bool(stable)}
+        kwargs = {**kwargs, "scratch_dir": scratch_dir, "lend": lending is not None}
         with self._lock:
             started = time.perf_counter()
             self.stats["shared_bytes"] += share_tensors(obj)
