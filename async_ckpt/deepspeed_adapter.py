@@ -117,17 +117,24 @@ def deferred_clones() -> Iterator[None]:
             module.clone_tensors_for_torch_save = _ORIGINAL_CLONE
 
 
+#: Where DeepSpeed's optimizers keep this rank's fp32 master partitions: ZeRO-3, ZeRO-1/2, the bf16 optimizer.
+_FP32_PARTITIONS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+
+
 def estimate_snapshot_bytes(engine: Any) -> int:
     """Host bytes this rank's snapshot will need, from the engine before any save: Adam's fp32 master
-    partitions and its two moments (three times the partitions the innermost optimizer steps; the moments
-    may not exist yet before the first step) plus this rank's module parameters (model-states file).
-    An estimate for reserving staging memory ahead of the first save; 0 if the engine has no optimizer."""
+    partitions and its two moments (three times the partitions; the moments may not exist before the
+    first step) plus this rank's module parameters (the model-states file). An estimate, for reserving
+    staging memory ahead of the first save; 0 where the engine's optimizer keeps no partitions we know."""
     optimizer = getattr(engine, "optimizer", None)
-    while getattr(optimizer, "optimizer", None) is not None:  # ZeRO and mixed-precision wrappers
-        optimizer = optimizer.optimizer
-    groups = getattr(optimizer, "param_groups", None)
-    if not groups:
+    partitions = next((getattr(optimizer, name) for name in _FP32_PARTITIONS if getattr(optimizer, name, None)), None)
+    if partitions is None:
+        base = optimizer
+        while getattr(base, "optimizer", None) is not None:  # mixed-precision wrappers around a torch optimizer
+            base = base.optimizer
+        partitions = [p for group in getattr(base, "param_groups", ()) for p in group["params"]]
+    fp32 = sum(t.numel() * t.element_size() for t in partitions if isinstance(t, torch.Tensor))
+    if not fp32:
         return 0
-    partitions = sum(p.numel() * p.element_size() for group in groups for p in group["params"])
     module = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in engine.module.parameters())
-    return 3 * partitions + module
+    return 3 * fp32 + module

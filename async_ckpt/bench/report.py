@@ -47,8 +47,11 @@ def summarize(report: dict) -> dict:
         stall = _median(per_save_stall)
         durable = _median(per_save_durable)
         gbps = total_bytes / durable / GB if durable else None
+        steady = _median(per_save_stall[1:])
         entry = {
             "stall_s": stall, "durable_s": durable, "bytes_per_save": total_bytes, "persist_gbps": gbps,
+            "first_stall_s": per_save_stall[0] if per_save_stall else None,
+            "first_vs_steady_stall": per_save_stall[0] / steady if steady else None,
             "persist_vs_floor": gbps / persist_floor if gbps and persist_floor else None,
             "stall_vs_copy_floor": stall / copy_floor_s if stall is not None else None,
             "note": first.get("note", ""),
@@ -70,13 +73,17 @@ def summarize(report: dict) -> dict:
         base = _median(outside)
         methods[name]["steps_inside_windows"] = len(inside)
         methods[name]["slowdown_while_persisting"] = (_median(inside) / base - 1) if inside and base else None
-        # everything a save costs the training loop: the stall plus the extra time of slowed steps
+        # everything a save costs the training loop: the stall plus the extra time of the steps that overlap
+        # the write. Signed (a step faster than the median offsets a slower one), else step-time noise alone
+        # would count as lost time for every method that writes in the background; never below zero.
         saves = len(ranks[0]["methods"][name]["saves"])
-        extra = sum(max(0.0, t - base) for t in inside) / saves if base else 0.0
+        extra = max(0.0, sum(t - base for t in inside)) / saves if base else 0.0
         if methods[name].get("stall_s") is not None:
             methods[name]["training_time_lost_per_save_s"] = methods[name]["stall_s"] + extra
         if stock_stall and methods[name].get("stall_s"):
             methods[name]["stall_reduction_vs_stock"] = stock_stall / methods[name]["stall_s"]
+            lost = methods[name].get("training_time_lost_per_save_s")
+            methods[name]["lost_vs_stock"] = lost / stock_stall if lost is not None else None
     return {"floor": {"bytes": floor_bytes, "copy_s": copy_floor_s, "copy_gbps": floor_bytes / len(ranks) / copy_floor_s / GB,
                       "local_write_gbps": local_floor_gbps, "s3_upload_gbps": s3_floor_gbps},
             "median_step_s_outside_saves": _median(outside), "peak_rss_bytes": max(r["peak_rss"] for r in ranks),
@@ -92,7 +99,8 @@ def table(report: dict) -> str:
     cfg = report["config"]
     floor = s["floor"]
     lines = [
-        f"## Save benchmark: ZeRO-{cfg['stage']} {cfg['dtype']}, {cfg['ranks']} ranks, model '{cfg['size']}', "
+        f"## Save benchmark: ZeRO-{cfg['stage']} {cfg['dtype']}, {cfg['ranks']} ranks, "
+        f"workload {cfg.get('workload', 'gpt')} '{cfg['size']}', "
         f"target {report['target']['kind']}, {cfg['saves']} saves x {cfg['steps_between']} steps",
         "",
         f"checkpoint {floor['bytes'] / GB:.3f} GB per save (all ranks); floors: copy {floor['copy_s'] * 1000:.1f} ms "
@@ -101,19 +109,22 @@ def table(report: dict) -> str:
         + f"; median step outside saves {_fmt(s['median_step_s_outside_saves'], '.3f', ' s')}",
         "",
         "| method | stall / save | vs copy floor | stall reduction vs stock | time to durable | persist GB/s | vs floor "
-        "| slowdown while persisting | training time lost / save | GB / save |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| slowdown while persisting | training time lost / save | lost vs stock | first-save stall "
+        "| first / steady stall | GB / save |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in s["methods"].items():
         if "skipped" in m:
-            lines.append(f"| {name} | not run: {m['skipped'][:120]} |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {name} | not run: {m['skipped'][:120]} |" + "  |" * 11)
             continue
         lines.append(
             f"| {name} | {_fmt(m['stall_s'], '.3f', ' s')} | {_fmt(m['stall_vs_copy_floor'], '.2f', 'x')} "
             f"| {_fmt(m.get('stall_reduction_vs_stock'), '.1f', 'x')} | {_fmt(m['durable_s'], '.2f', ' s')} "
             f"| {_fmt(m['persist_gbps'], '.3f')} | {_fmt(m['persist_vs_floor'], '.0%')} "
             f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')} "
-            f"| {_fmt(m.get('training_time_lost_per_save_s', m['stall_s']), '.3f', ' s')} | {m['bytes_per_save'] / GB:.3f} |")
+            f"| {_fmt(m.get('training_time_lost_per_save_s', m['stall_s']), '.3f', ' s')} "
+            f"| {_fmt(m.get('lost_vs_stock'), '.2f', 'x')} | {_fmt(m.get('first_stall_s'), '.3f', ' s')} "
+            f"| {_fmt(m.get('first_vs_steady_stall'), '.1f', 'x')} | {m['bytes_per_save'] / GB:.3f} |")
     for name, m in s["methods"].items():
         if "staging_bytes" in m:
             lines.append(f"\n{name}: staging {m['staging_bytes'] / GB:.3f} GB (flat across saves: {m['staging_flat']}), "

@@ -4,10 +4,11 @@ POSIX rename is atomic on local filesystems and on NFS, so a file appears under 
 only complete; fsync of the file and of its folder makes the data and the name survive a crash.
 DeepSpeed reads local checkpoints in place, so resume needs no copy.
 
-Files are written with ``O_DIRECT`` where the filesystem allows it: the bytes go from an aligned
-bounce buffer straight to the device instead of first filling the page cache, which measured 4x
-faster here for checkpoint-sized files (see benchmarks/RESULTS.md). Where ``O_DIRECT`` is refused
-(tmpfs, some network filesystems) the ordinary buffered path is used.
+Files are written with ``O_DIRECT`` where the filesystem allows it: the bytes go to the device
+without first filling the page cache, which measured 4x faster here for checkpoint-sized files
+(see benchmarks/RESULTS.md): small writes through aligned bounce buffers, large lent buffers
+(staging memory, see :class:`DirectWriter`) straight from where they are. Where ``O_DIRECT`` is
+refused (tmpfs, some network filesystems) the ordinary buffered path is used.
 """
 
 from __future__ import annotations
