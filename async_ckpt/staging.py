@@ -105,6 +105,7 @@ class StagingPool:
         self._reserve: mmap.mmap | None = None
         self._reserve_used = 0
         self._reserving: threading.Thread | None = None
+        self._trimming: threading.Thread | None = None
         self._copier: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}
         self.allocations = 0
@@ -126,15 +127,15 @@ class StagingPool:
         self._reserving.start()
 
     def trim_reserve(self) -> None:
-        """After the first save's snapshots: return the reserved memory they did not use to the system."""
-        if self._reserve is None or self._reserving is None:
+        """After the first save's snapshots: return the reserved memory they did not use to the system,
+        on a background thread (freeing hundreds of MB takes tens of milliseconds: not the stall's)."""
+        if self._reserve is None or self._reserving is None or self._trimming is not None:
             return
-        self._reserving.join()
-        self._reserving = None
         start = -(-self._reserve_used // mmap.PAGESIZE) * mmap.PAGESIZE
-        if start < len(self._reserve):
-            self._reserve.madvise(mmap.MADV_DONTNEED, start, len(self._reserve) - start)
         self._reserve_used = len(self._reserve)  # nothing more is carved from it
+        self._trimming = threading.Thread(target=_release_tail, args=(self._reserve, start, self._reserving),
+                                          daemon=True, name="async_ckpt-stage-trim")
+        self._trimming.start()
 
     @property
     def aligned_slots(self) -> int:
@@ -189,9 +190,10 @@ class StagingPool:
         self._slots.clear()
         self._bases.clear()
         self._placements.clear()
-        if self._reserving is not None:
-            self._reserving.join()
-            self._reserving = None
+        for thread in (self._reserving, self._trimming):
+            if thread is not None:
+                thread.join()
+        self._reserving = self._trimming = None
         self._reserve = None
 
     def _copy_on_side_stream(self, pairs: list[CopyPair]) -> Callable[[], None]:
@@ -337,6 +339,13 @@ def _populate(mapping: mmap.mmap) -> None:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(buffer_address(mapping), len(mapping), _MADV_POPULATE_WRITE) != 0:
         torch.frombuffer(mapping, dtype=torch.uint8).zero_()
+
+
+def _release_tail(mapping: mmap.mmap, start: int, populating: threading.Thread) -> None:
+    """Once ``mapping`` is faulted in, give its pages from ``start`` on back to the system."""
+    populating.join()
+    if start < len(mapping):
+        mapping.madvise(mmap.MADV_DONTNEED, start, len(mapping) - start)
 
 
 def _copy_all(pairs: list[CopyPair]) -> None:
