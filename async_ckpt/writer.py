@@ -8,6 +8,7 @@ with the tag, the rank and the cause, and handed to ``on_failure``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -87,10 +88,12 @@ class BackgroundWriter:
         metrics = job.handle.metrics
         current = "staging copies"
         try:
-            job.ticket.wait()
             started = time.perf_counter()
             lent = copied = 0
             for staged in job.files:
+                if staged.deferred:  # copied in the background: written once the copies are done
+                    current = "staging copies"
+                    job.ticket.wait()
                 current = staged.relpath
                 if job.max_shard_bytes is None:
                     lending = Lending(staged.regions, staged.placements)
@@ -100,12 +103,15 @@ class BackgroundWriter:
                 else:
                     written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,
                                                  rank=job.rank))
+            job.ticket.wait()
             job.release_buffers()
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)
             metrics["zero_copy_bytes"] = lent - copied
             metrics["upload_buffer_peak_bytes"] = job.storage.upload_buffer_peak_bytes
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
+            with contextlib.suppress(BaseException):  # no copy may still fill the buffers the next save reuses
+                job.ticket.wait()
             job.release_buffers()
             error = self._write_error(job, exc, current)
             try:

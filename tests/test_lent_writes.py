@@ -127,14 +127,14 @@ def test_direct_writer_lent_buffer_round_trips(direct_root, misalign):
     assert (writer.copied_bytes == 0) == (misalign == 0)
 
 
-def test_crc_is_computed_here_when_torch_does_not_write_one(direct_root, monkeypatch):
+def test_crc_is_computed_here_when_torch_does_not_write_one(direct_root):
     import torch.utils.serialization as settings
 
-    monkeypatch.setattr(settings.config.save, "compute_crc32", False)
     staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
     lending = Lending(staged.regions, staged.placements)
-    entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
-                             lending=lending)
+    with settings.config.patch({"save.compute_crc32": False}):  # torch's own setter: restored on exit
+        entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                                 lending=lending)
     assert lending.lent_bytes and entry.crc32 == format_crc(zlib.crc32((direct_root / "root" / "t" / "x.pt").read_bytes()))
 
 
