@@ -52,7 +52,7 @@ import threading
 import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.multiprocessing  # registers the tensor reductions (shared-memory handles) with ForkingPickler
@@ -63,29 +63,30 @@ from async_ckpt.manifest import FileEntry
 NICE = 10
 
 
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj`` (nested dicts, lists and tuples)."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
 def share_tensors(obj: Any) -> int:
-    """Move the storage of every CPU tensor in ``obj`` (dicts, lists, tuples) to shared memory;
-    return how many bytes were moved (0 when every storage was shared already)."""
+    """Move the storage of every CPU tensor in ``obj`` to shared memory; return how many bytes were
+    moved (0 when every storage was shared already)."""
     moved = 0
     seen: set[int] = set()
-
-    def walk(item: Any) -> None:
-        nonlocal moved
-        if torch.is_tensor(item):
-            storage = item.untyped_storage()
-            if item.device.type == "cpu" and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                if not storage.is_shared():
-                    moved += storage.nbytes()
-                    item.share_memory_()
-        elif isinstance(item, dict):
-            for value in item.values():
-                walk(value)
-        elif isinstance(item, (list, tuple)):
-            for value in item:
-                walk(value)
-
-    walk(obj)
+    for item in _tensors(obj):
+        storage = item.untyped_storage()
+        if item.device.type == "cpu" and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            if not storage.is_shared():
+                moved += storage.nbytes()
+                item.share_memory_()
     return moved
 
 
@@ -125,21 +126,7 @@ def _picklable_error(exc: BaseException, trace: str) -> BaseException:
 
 def _stable_regions(obj: Any) -> list[tuple[int, int]]:
     """The (address, size) of every tensor storage in ``obj``, in this process's memory."""
-    regions: set[tuple[int, int]] = set()
-
-    def walk(item: Any) -> None:
-        if torch.is_tensor(item):
-            storage = item.untyped_storage()
-            regions.add((storage.data_ptr(), storage.nbytes()))
-        elif isinstance(item, dict):
-            for value in item.values():
-                walk(value)
-        elif isinstance(item, (list, tuple)):
-            for value in item:
-                walk(value)
-
-    walk(obj)
-    return sorted(regions)
+    return sorted({(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in _tensors(obj)})
 
 
 def _worker_main(requests: Any, results: Any, nice: int) -> None:
