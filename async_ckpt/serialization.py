@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
-import torch.utils.serialization  # noqa: F401 - torch.save's settings (compute_crc32)
+import torch.utils.serialization  # torch.save's settings (compute_crc32)
 
 from async_ckpt.checksum import crc32_combine, format_crc
 from async_ckpt.manifest import FileEntry
@@ -157,8 +157,7 @@ class ChecksumWriter:
 
 def torch_writes_crc32() -> bool:
     """Whether torch.save computes the CRC-32 of its records (a ``torch.utils.serialization`` setting)."""
-    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
-    return bool(getattr(getattr(config, "save", None), "compute_crc32", True))
+    return bool(torch.utils.serialization.config.save.compute_crc32)
 
 
 def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, rank: int,

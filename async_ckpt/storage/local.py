@@ -124,10 +124,8 @@ class DirectWriter:
         first waits for the writes ahead it overlaps, and the file's every byte is written again by
         the stream (anything past its end is cut off by :meth:`finish`).
         """
-        view = memoryview(data).cast("B")  # type: ignore[arg-type]
-        head = -offset % self._align
-        body = (view.nbytes - head) // self._align * self._align
-        middle = view[head:head + body]
+        head, middle = self._split(memoryview(data).cast("B"), offset)  # type: ignore[arg-type]
+        body = middle.nbytes
         if body <= 0 or (_address(middle) - offset - head) % self._align:
             return
         writes = [self._io.submit(_write_all, self._fd, middle[i:i + _CHUNK], offset + head + i)
@@ -139,21 +137,24 @@ class DirectWriter:
         """Write ``data`` without copying it now; it must stay valid and unchanged until :meth:`finish`."""
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
         total = view.nbytes
-        head = -self.size % self._align
-        body = (total - head) // self._align * self._align if total >= LEND_MIN else 0
-        if body <= 0:
+        head, middle = self._split(view, self.size)
+        body = middle.nbytes
+        if total < LEND_MIN or body <= 0:
             return self.write(view)
         if head:
             self.write(view[:head])
         if self._filled:
             self._flush_buffer()
-        middle = view[head:head + body]
         expected = (self._start, body, _address(middle))
         ahead = next((a for a in self._ahead if a[:3] == expected), None)
         if ahead is not None:
             self._ahead.remove(ahead)  # already written where it belongs
         else:
             aligned = _address(middle) % self._align == 0
+            if not aligned and self._scratch is None:  # aligned memory for the I/O threads' copies
+                self._scratch = queue.Queue()
+                for _ in range(_IO_THREADS):
+                    self._scratch.put(mmap.mmap(-1, _CHUNK))
             for offset in range(0, body, _CHUNK):
                 chunk = middle[offset:offset + _CHUNK]
                 if aligned:
@@ -165,6 +166,12 @@ class DirectWriter:
         if head + body < total:
             self.write(view[head + body:])
         return total
+
+    def _split(self, view: memoryview, offset: int) -> tuple[int, memoryview]:
+        """``view`` written at file ``offset``: the length of its head before the first aligned offset, and
+        its aligned middle (whole blocks; what is left after it is the tail)."""
+        head = min(-offset % self._align, view.nbytes)
+        return head, view[head:head + (view.nbytes - head) // self._align * self._align]
 
     def flush(self) -> None:
         pass
@@ -197,10 +204,7 @@ class DirectWriter:
 
     def _copy_and_write(self, chunk: memoryview, offset: int) -> None:
         """In an I/O thread: copy a lent chunk whose address is not aligned into aligned memory, write it."""
-        if self._scratch is None:
-            self._scratch = queue.Queue()
-            for _ in range(_IO_THREADS):
-                self._scratch.put(mmap.mmap(-1, _CHUNK))
+        assert self._scratch is not None  # made by write_borrowed before it submits copies
         buffer = self._scratch.get()
         try:
             with memoryview(buffer) as target:
