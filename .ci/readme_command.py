@@ -1,7 +1,8 @@
-"""Print one of the README's two set-up commands (``demo`` or ``test``), or its ``conformance`` command.
+"""Print one of the README's two set-up commands (``demo`` or ``test``), or one of CI's extra legs.
 
 CI runs the README's own words, so the two cannot drift apart. The commands are the fenced
 ``bash`` blocks of the README's "Set-up" section: exactly two, one running the demo, one pytest.
+The extra legs (``conformance``, ``oldest``) are the one command of their own README sections.
 """
 
 from __future__ import annotations
@@ -27,17 +28,26 @@ def setup_commands(text: str) -> dict[str, str]:
     return {name: match[0] for name, match in found.items()}
 
 
-def conformance_command(text: str) -> str:
-    """The one bash command of the README's conformance section (DeepSpeed's own tests, CI's subset)."""
-    section = re.search(r"^## Judged by DeepSpeed's own tests\b.*?(?=^## )", text, re.S | re.M)
+#: CI's legs beyond the test command, each the one bash command of its own README section: the
+#: section's heading and what the command must run.
+LEGS = {
+    "conformance": ("Judged by DeepSpeed's own tests", "python tests/conformance/run.py --quick"),
+    "oldest": ("Oldest supported versions", "python -m pytest -m oldest_versions"),
+}
+
+
+def leg_command(text: str, leg: str) -> str:
+    """The one bash command of the README section behind one of CI's extra legs (``LEGS``)."""
+    heading, runs = LEGS[leg]
+    section = re.search(rf"^## {re.escape(heading)}\b.*?(?=^## )", text, re.S | re.M)
     blocks = [b.strip() for b in re.findall(r"^```bash\n(.*?)^```", section.group(0), re.S | re.M)] if section else []
-    if len(blocks) != 1 or "tests/conformance/run.py --quick" not in blocks[0] or "\n" in blocks[0]:
-        raise SystemExit(f"README.md's conformance section must hold one one-line bash command running "
-                         f"tests/conformance/run.py --quick, found {blocks}")
+    if len(blocks) != 1 or runs not in blocks[0] or "\n" in blocks[0]:
+        raise SystemExit(f"README.md's section {heading!r} must hold one one-line bash command running {runs}, "
+                         f"found {blocks}")
     return blocks[0]
 
 
 if __name__ == "__main__":
     with open(README) as fh:
         readme = fh.read()
-    print(conformance_command(readme) if sys.argv[1] == "conformance" else setup_commands(readme)[sys.argv[1]])
+    print(leg_command(readme, sys.argv[1]) if sys.argv[1] in LEGS else setup_commands(readme)[sys.argv[1]])

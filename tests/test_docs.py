@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import runpy
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,10 +35,12 @@ def test_the_readme_gives_exactly_two_setup_commands_and_ci_runs_the_test_one():
         assert 'python3 .ci/readme_command.py test' in fh.read()
 
 
-def test_ci_runs_the_readmes_conformance_command_on_deepspeeds_own_tests():
-    command = runpy.run_path(os.path.join(ROOT, ".ci", "readme_command.py"))["conformance_command"]
+@pytest.mark.parametrize("leg, runs", [("conformance", "python tests/conformance/run.py --quick"),
+                                       ("oldest", "python -m pytest -m oldest_versions tests/test_install.py")])
+def test_ci_runs_each_extra_leg_exactly_as_its_readme_section_says(leg, runs):
+    command = runpy.run_path(os.path.join(ROOT, ".ci", "readme_command.py"))["leg_command"]
     with open(os.path.join(ROOT, "README.md")) as fh:
-        found = command(fh.read())
-    assert found.endswith("python tests/conformance/run.py --quick") and "torch==2.13.0" in found
+        found = command(fh.read(), leg)
+    assert found.endswith(runs) and "torch==2.13.0" in found
     with open(os.path.join(ROOT, ".ci", "run")) as fh:
-        assert 'python3 .ci/readme_command.py conformance' in fh.read()
+        assert f"python3 .ci/readme_command.py {leg}" in fh.read()

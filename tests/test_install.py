@@ -4,6 +4,10 @@ The README's own commands run in a new virtual environment on every CI run (``.c
 tests add what that run cannot show: that the wheel ships only the library, that every package the
 library imports is declared, and that the lowest version of every dependency in ``pyproject.toml``
 (pinned in ``tests/oldest-supported.txt``) resolves and passes the compatibility tests.
+
+The oldest-versions test takes about 7 minutes, a third of the default suite, so it is marked
+``oldest_versions`` and left out of a plain ``pytest``; CI runs it with the README's command for it
+(``pytest -m oldest_versions``), in the environment it made for the test command.
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ def test_every_dependency_has_a_lower_bound_pinned_in_the_oldest_versions_file()
         assert pins.get(name) == bound.group(1), f"{name}: pyproject.toml says {requirement!r}, {OLDEST} pins {pins.get(name)}"
 
 
+@pytest.mark.oldest_versions
 def test_the_oldest_supported_versions_install_cleanly_and_pass_the_compatibility_tests(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
