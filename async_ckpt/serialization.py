@@ -24,12 +24,14 @@ records, so a pipe the reader thread has not drained deadlocks the process.)
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import pickle
 import shutil
 import struct
 import tempfile
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -57,6 +59,34 @@ class Lending:
     copied_bytes: int = 0
 
 
+def storage_order(obj: Any) -> list[int]:
+    """The data addresses of the tensor storages in ``obj``, in the order torch.save writes their records.
+
+    torch.save numbers the storages in the order its pickler meets them and writes their records in
+    that order (torch.serialization's ``_save``, format version 1). A pickling pass without the data
+    (storages are persistent ids, nothing of them is read) gives the same order; storages without
+    bytes are left out (torch writes nothing for them).
+    """
+    seen: dict[int, int] = {}
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Any:
+            if isinstance(value, torch.storage.TypedStorage):
+                value = value._untyped_storage
+            if not isinstance(value, torch.UntypedStorage):
+                return None
+            seen.setdefault(value._cdata, value.data_ptr() if value.nbytes() else 0)
+            return len(seen)
+
+    _Pickler(_Discard(), protocol=2).dump(obj)
+    return [address for address in seen.values() if address]
+
+
+class _Discard:
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
 class ChecksumWriter:
     """Write-only stream that forwards every byte and keeps a running size and CRC-32.
 
@@ -66,12 +96,23 @@ class ChecksumWriter:
     :func:`~async_ckpt.checksum.crc32_combine` folds those into the file's CRC-32. A record whose
     descriptor is not found (or with torch's CRC turned off) is checksummed here at the end.
 
+    With ``await_copy`` (a snapshot whose staging copies may still run), torch.save reads no storage
+    before its copy is done: torch computes a record's CRC-32 before it writes the record, so the
+    wait for storage *k* happens when the data of storage *k-1* has been handed over (the order is
+    :func:`storage_order`'s); a storage met out of that order fails the write rather than risk
+    bytes read before their copy.
+
     The first error the sink raises is kept in ``error``: torch.save's zip writer turns a failing
     ``write()`` into "unexpected pos N vs M", which names neither the errno nor its cause.
     """
 
-    def __init__(self, sink: BinaryIO, lending: Lending | None = None) -> None:
+    def __init__(self, sink: BinaryIO, lending: Lending | None = None, *,
+                 await_copy: Callable[[int], None] | None = None, order: Sequence[int] = ()) -> None:
         self._sink = sink
+        self._await_copy = await_copy
+        self._order = list(order) if await_copy is not None else []
+        self._unwritten = set(self._order)
+        self._next = -1  # index in _order of the storage whose record torch.save writes next (-1: none yet)
         self._lending = lending if lending is not None and hasattr(sink, "write_borrowed") else None
         self._trust_descriptors = self._lending is not None and torch_writes_crc32()
         self.size = 0
@@ -84,6 +125,14 @@ class ChecksumWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         try:
+            if self._next < 0 and self._order:  # the first record (torch pickled the object before it)
+                self._next = 0
+                self._await_copy(self._order[0])  # type: ignore[misc]
+            expected = bool(self._unwritten) and buffer_address(view) in self._unwritten
+            if expected and buffer_address(view) != self._order[self._next]:
+                raise RuntimeError(
+                    f"torch.save wrote the storage at {buffer_address(view):#x} out of the order async_ckpt "
+                    "predicted; the file is not written. Save with overlap_copy=False and report this")
             if self._lendable(view):
                 self._awaiting = [None, view.nbytes, view]
                 self._pieces += [[self._crc, self._run, None], self._awaiting]
@@ -97,6 +146,11 @@ class ChecksumWriter:
                 self._crc = zlib.crc32(view, self._crc)
                 self._run += view.nbytes
                 self._write_all(view)
+            if expected:
+                self._unwritten.discard(self._order[self._next])
+                self._next += 1
+                if self._next < len(self._order):
+                    self._await_copy(self._order[self._next])  # type: ignore[misc]
         except BaseException as exc:
             self.error = self.error or exc
             raise
@@ -105,13 +159,14 @@ class ChecksumWriter:
 
     def write_ahead(self) -> None:
         """Start writing every lent buffer whose file offset the previous save recorded (the sink writes
-        it while torch.save still computes the CRC-32 of the records before it)."""
+        it, once its copy is done, while torch.save still computes the CRC-32 of the records before it)."""
         if self._lending is None or not hasattr(self._sink, "write_ahead"):
             return
         for address, size in self._lending.regions:
             offset = self._lending.placements.get(address)
             if offset is not None and size >= LEND_MIN:
-                self._sink.write_ahead((ctypes.c_char * size).from_address(address), offset)
+                ready = functools.partial(self._await_copy, address) if self._await_copy is not None else None
+                self._sink.write_ahead((ctypes.c_char * size).from_address(address), offset, ready=ready)
 
     def _lendable(self, view: memoryview) -> bool:
         """Whether ``view`` lies in lendable memory; if so, its file offset is noted in the placements."""
@@ -161,16 +216,19 @@ def torch_writes_crc32() -> bool:
 
 
 def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, rank: int,
-                     scratch_dir: str | None = None, lending: Lending | None = None) -> FileEntry:
+                     scratch_dir: str | None = None, lending: Lending | None = None,
+                     await_copy: Callable[[int], None] | None = None) -> FileEntry:
     """``torch.save(obj)`` to ``relpath`` atomically; the entry's path is relative to ``tag_dir``.
 
     With ``scratch_dir`` (a local folder) the bytes are exactly DeepSpeed's (see the module
     docstring); without it torch.save streams straight into storage, lending it the tensor data
-    that lies in the ``lending`` regions (see :class:`ChecksumWriter`).
+    that lies in the ``lending`` regions (see :class:`ChecksumWriter`). ``await_copy(address)``
+    waits for the staging copy into the storage at ``address``, if ``obj``'s copies may still run.
     """
     if scratch_dir is None:
+        order = storage_order(obj) if await_copy is not None else []
         with storage.open_write(relpath) as stream:
-            writer = ChecksumWriter(stream, lending)
+            writer = ChecksumWriter(stream, lending, await_copy=await_copy, order=order)
             writer.write_ahead()
             try:
                 torch.save(obj, writer)
@@ -180,6 +238,9 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
                 raise
             writer.flush()
         return FileEntry(path=relpath[len(tag_dir) + 1:], size=writer.size, crc32=format_crc(writer.crc), rank=rank)
+    if await_copy is not None:
+        for address in storage_order(obj):  # torch.save into a file: no hook between records
+            await_copy(address)
     os.makedirs(scratch_dir, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="async_ckpt_scratch_", dir=scratch_dir)
     try:

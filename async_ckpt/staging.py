@@ -10,7 +10,7 @@ allocation costs page faults: about 4x slower than a copy into memory already to
 
 On CUDA the buffers are pinned and the device-to-host copies run non-blocking on a dedicated
 stream, tracked by an event; on CPU, deferred copies run on one helper thread owned by the pool.
-Either way a :class:`CopyTicket` says when the snapshot is safe.
+Either way a :class:`CopyTicket` says when the snapshot is safe, as a whole and buffer by buffer.
 """
 
 from __future__ import annotations
@@ -39,10 +39,14 @@ PLACEMENT_ALIGN = 4096
 
 
 class CopyTicket:
-    """Completion of a batch of staging copies: ``wait()`` returns once every copy is done."""
+    """Completion of a batch of staging copies: ``wait()`` returns once every copy is done, and
+    ``wait_for(address)`` once the copy into the buffer at that address is. The writer starts on each
+    buffer as soon as its own copy ends, so an overlapped copy and the disk run together."""
 
-    def __init__(self, waiters: list[Callable[[], None]]) -> None:
+    def __init__(self, waiters: list[Callable[[], None]],
+                 buffers: dict[int, Callable[[], None]] | None = None) -> None:
         self._waiters = waiters
+        self._buffers = buffers or {}
         self._lock = threading.Lock()
         self._done = not waiters
 
@@ -53,6 +57,13 @@ class CopyTicket:
             for wait in self._waiters:
                 wait()
             self._done = True
+
+    def wait_for(self, address: int) -> None:
+        """Wait for the copy into the staging buffer that starts at ``address``; a buffer this ticket
+        does not copy into is ready already."""
+        waiter = None if self._done else self._buffers.get(address)
+        if waiter is not None:
+            waiter()
 
     @property
     def done(self) -> bool:
@@ -166,22 +177,27 @@ class StagingPool:
         """Start the copies and return their ticket.
 
         Device sources are copied non-blocking on a side stream. Host sources are copied inline,
-        or with ``background`` on the pool's helper thread so that training can go on meanwhile.
+        or with ``background`` on the pool's helper thread, one buffer after the other in the order
+        given, so that training can go on meanwhile.
         """
         device_pairs = [p for p in pairs if p[1].device.type != "cpu"]
         host_pairs = [p for p in pairs if p[1].device.type == "cpu"]
         waiters: list[Callable[[], None]] = []
+        buffers: dict[int, Callable[[], None]] = {}
         if device_pairs:
-            waiters.append(self._copy_on_side_stream(device_pairs))
+            buffers.update(self._copy_on_side_stream(device_pairs))
+            waiters += buffers.values()
         if host_pairs and background:
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_ckpt-stage",
                                                   initializer=self._copier_init)
-            future: Future[None] = self._copier.submit(_copy_all, host_pairs)
-            waiters.append(future.result)
+            for dst, src in host_pairs:
+                future: Future[None] = self._copier.submit(_copy_all, [(dst, src)])
+                waiters.append(future.result)
+                buffers[dst.untyped_storage().data_ptr()] = future.result
         elif host_pairs:
             _copy_all(host_pairs)
-        return CopyTicket(waiters)
+        return CopyTicket(waiters, buffers)
 
     def close(self) -> None:
         if self._copier is not None:
@@ -196,20 +212,23 @@ class StagingPool:
         self._reserving = self._trimming = None
         self._reserve = None
 
-    def _copy_on_side_stream(self, pairs: list[CopyPair]) -> Callable[[], None]:
+    def _copy_on_side_stream(self, pairs: list[CopyPair]) -> dict[int, Callable[[], None]]:
+        """Queue the copies on the device's side stream; per destination buffer, what waits for its copy."""
         device = pairs[0][1].device
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        done: dict[int, Callable[[], None]] = {}
         with torch.cuda.stream(stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+                done[dst.untyped_storage().data_ptr()] = event.synchronize
         for _, src in pairs:
             src.record_stream(stream)  # the allocator must not hand src's memory out before the copy ran
-        return event.synchronize
+        return done
 
     def _buffer_for(self, slot: tuple[str, int], nbytes: int, pin: bool) -> torch.Tensor:
         if pin:

@@ -1,6 +1,6 @@
 """The background writer: one thread per rank that persists and commits saves in order.
 
-The thread owns its work end to end: it waits for the staging copies, streams every file through
+The thread owns its work end to end: it waits for each staging copy it reads, streams every file through
 the job's storage, publishes this rank's completion, takes part in the commit, and resolves the
 save handle. It never touches the training process group. Failures are caught here, logged once
 with the tag, the rank and the cause, and handed to ``on_failure``.
@@ -86,23 +86,26 @@ class BackgroundWriter:
     def _execute(self, job: SaveJob) -> None:
         written: list[FileEntry] = []
         metrics = job.handle.metrics
-        current = "staging copies"
+        current = "the staging copies"
         try:
             started = time.perf_counter()
             lent = copied = 0
             for staged in job.files:
-                if staged.deferred:  # copied in the background: written once the copies are done
-                    current = "staging copies"
-                    job.ticket.wait()
                 current = staged.relpath
                 if job.max_shard_bytes is None:
+                    # copied in the background: each storage is written once its own copy is done
+                    await_copy = job.ticket.wait_for if staged.deferred else None
                     lending = Lending(staged.regions, staged.placements)
                     written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag,
-                                                    rank=job.rank, scratch_dir=self._scratch_dir(job), lending=lending))
+                                                    rank=job.rank, scratch_dir=self._scratch_dir(job), lending=lending,
+                                                    await_copy=await_copy))
                     lent, copied = lent + lending.lent_bytes, copied + lending.copied_bytes
                 else:
+                    if staged.deferred:
+                        job.ticket.wait()
                     written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,
                                                  rank=job.rank))
+            current = "the staging copies"
             job.ticket.wait()
             job.release_buffers()
             metrics["persist_s"] = time.perf_counter() - started

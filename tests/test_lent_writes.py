@@ -10,13 +10,14 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import zipfile
 import zlib
 
 import pytest
 import torch
 
 from async_ckpt.checksum import crc32_combine, format_crc
-from async_ckpt.serialization import Lending, write_torch_file
+from async_ckpt.serialization import ChecksumWriter, Lending, storage_order, write_torch_file
 from async_ckpt.staging import PLACEMENT_ALIGN, StagingPool
 from async_ckpt.storage import LocalStorage
 from async_ckpt.storage.base import buffer_address
@@ -160,3 +161,88 @@ def test_writes_ahead_at_any_guessed_offset_leave_the_exact_file(direct_root, gu
         writer.release()
         os.close(fd)
     assert path.read_bytes() == b"header" * 11 + payload + trailer
+
+
+def _deferred_snapshot(pool: StagingPool):
+    """A snapshot whose copies have not run: its buffers hold no bytes of the state yet."""
+    state = _state()
+    staged = pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=True)
+    return state, staged
+
+
+class _CopyOnDemand:
+    """Runs each deferred copy only when the writer asks for its buffer, noting how far the file had got:
+    a storage torch.save read before asking would be written with the buffer's stale bytes."""
+
+    def __init__(self, pairs, sink_size=lambda: 0):
+        self.pairs = {dst.untyped_storage().data_ptr(): (dst, src) for dst, src in pairs}
+        self.asked: list[int] = []
+        self.file_size_when_asked: list[int] = []
+        self.sink_size = sink_size
+
+    def __call__(self, address: int) -> None:
+        if address in self.pairs and address not in self.asked:
+            self.asked.append(address)
+            self.file_size_when_asked.append(self.sink_size())
+            dst, src = self.pairs[address]
+            dst.copy_(src)
+
+
+def test_storage_order_is_the_order_torch_save_writes_the_records():
+    state = _state()
+    order = storage_order(state)
+    archive = zipfile.ZipFile(io.BytesIO(_torch_save_bytes(state)))
+    records = [info for info in archive.infolist() if "/data/" in info.filename]  # in the order written
+    storages = {t.data_ptr(): torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy().tobytes() for t in
+                [state["flat"], state["small"], state["bf16"], *state["moments"].values()]}
+    assert len(order) == len(records) == 5
+    assert [storages[address] for address in order] == [archive.read(info) for info in records]
+
+
+def test_each_storage_is_copied_before_torch_save_reads_it(direct_root):
+    pool = StagingPool()
+    for _ in range(2):  # the second save is placed: its buffers are also written ahead, each once its copy is done
+        state, staged = _deferred_snapshot(pool)
+        copy_on_demand = _CopyOnDemand(staged.deferred)
+        write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                         lending=Lending(staged.regions, staged.placements), await_copy=copy_on_demand)
+        assert (direct_root / "root" / "t" / "x.pt").read_bytes() == _torch_save_bytes(state)
+        assert len(copy_on_demand.asked) == len(staged.deferred)
+
+
+def test_writing_starts_before_the_last_copy_is_done(tmp_path):
+    """The writer asks for each storage's copy only when the records before it are written."""
+    state, staged = _deferred_snapshot(StagingPool())
+    sink = io.BytesIO()
+    copy_on_demand = _CopyOnDemand(staged.deferred, sink_size=lambda: len(sink.getbuffer()))
+    writer = ChecksumWriter(sink, await_copy=copy_on_demand, order=storage_order(staged.obj))
+    torch.save(staged.obj, writer)
+    assert sink.getvalue() == _torch_save_bytes(state)
+    assert copy_on_demand.asked == storage_order(staged.obj)
+    sizes = copy_on_demand.file_size_when_asked
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) and sizes[-1] > 7 * MiB
+
+
+def test_a_storage_met_out_of_the_predicted_order_fails_the_file(direct_root):
+    _, staged = _deferred_snapshot(StagingPool())
+    reversed_order = storage_order(staged.obj)[::-1]
+    with pytest.raises(RuntimeError, match="out of the order async_ckpt predicted"):
+        with LocalStorage(str(direct_root / "root")).open_write("t/x.pt") as stream:
+            writer = ChecksumWriter(stream, await_copy=_CopyOnDemand(staged.deferred), order=reversed_order)
+            try:
+                torch.save(staged.obj, writer)
+            except RuntimeError:
+                raise writer.error from None
+    assert os.listdir(direct_root / "root" / "t") == []
+
+
+def test_background_copies_complete_buffer_by_buffer():
+    pool = StagingPool()
+    state, staged = _deferred_snapshot(pool)
+    ticket = pool.copy(staged.deferred, background=True)
+    first = staged.deferred[0][0]
+    ticket.wait_for(first.untyped_storage().data_ptr())
+    assert torch.equal(first, staged.deferred[0][1])
+    ticket.wait()
+    assert torch.equal(staged.obj["moments"]["exp_avg_sq"], state["moments"]["exp_avg_sq"])
+    pool.close()

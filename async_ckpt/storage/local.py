@@ -21,7 +21,7 @@ import os
 import queue
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import fsspec
 
@@ -48,6 +48,12 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
     written = 0
     while written < view.nbytes:
         written += os.pwrite(fd, view[written:], offset + written)
+
+
+def _write_when_ready(ready: Callable[[], None] | None, fd: int, view: memoryview, offset: int) -> None:
+    if ready is not None:
+        ready()
+    _write_all(fd, view, offset)
 
 
 def dio_alignment(fd: int) -> int:
@@ -116,8 +122,9 @@ class DirectWriter:
                 self._flush_buffer()
         return total
 
-    def write_ahead(self, data: object, offset: int) -> None:
-        """Start writing a lent buffer at the file offset it is expected at, before the stream reaches it.
+    def write_ahead(self, data: object, offset: int, *, ready: Callable[[], None] | None = None) -> None:
+        """Start writing a lent buffer at the file offset it is expected at, before the stream reaches it;
+        with ``ready``, the I/O threads call it first (it returns once the buffer holds its bytes).
 
         If :meth:`write_borrowed` later hands over the same memory at the same offset, it is already
         written or on its way. If not, the bytes written ahead are overwritten: every later write
@@ -128,7 +135,7 @@ class DirectWriter:
         body = middle.nbytes
         if body <= 0 or (_address(middle) - offset - head) % self._align:
             return
-        writes = [self._io.submit(_write_all, self._fd, middle[i:i + _CHUNK], offset + head + i)
+        writes = [self._io.submit(_write_when_ready, ready, self._fd, middle[i:i + _CHUNK], offset + head + i)
                   for i in range(0, body, _CHUNK)]
         self._writes += writes
         self._ahead.append((offset + head, body, _address(middle), writes))
