@@ -36,9 +36,13 @@ class SaveHandle:
     :meth:`wait`, :meth:`result`). Without a local tier both moments are the same commit.
 
     ``metrics`` fills in as the save progresses: ``stall_s`` (time the training loop was blocked
-    in ``save()``), ``staging_bytes``, then ``persist_s``, ``bytes_written``,
-    ``upload_buffer_peak_bytes`` (object stores: the most part memory the uploader has held so
-    far, bounded by ``(max_concurrency + 1) * part_size``) and ``commit_s``; with a local tier also
+    in ``save()``; of it ``snapshot_s`` staging the state, ``buffer_wait_s`` waiting for the
+    previous save), ``staging_bytes``, ``step_wait_s`` (with ``overlap_copy``: the wait of the next
+    optimizer step for the copy), then ``persist_s``, ``copy_wait_s`` (of it, the writer waiting
+    for overlapped copies), ``bytes_written``, ``zero_copy_bytes`` (bytes written straight from
+    the staging memory), ``upload_buffer_peak_bytes`` (object stores: the most part memory the
+    uploader has held so far, bounded by ``(max_concurrency + 1) * part_size``) and ``commit_s``;
+    ``durable_s`` (seconds from ``save()`` to the commit); with a local tier also
     ``local_committed_s`` and ``durable_s`` (seconds from ``save()`` to each commit), ``drain_s``
     and ``tier`` (``"local"``, or ``"durable"`` when the save went straight to the URL).
     """

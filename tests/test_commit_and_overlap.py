@@ -74,7 +74,7 @@ def test_on_save_done_callback_gets_every_finished_save_and_cannot_break_saving(
     for rank_out in out:
         assert [s["tag"] for s in rank_out["seen"]] == ["one"]
         assert rank_out["seen"][0]["done"] and rank_out["seen"][0]["ok"]
-        assert {"stall_s", "persist_s", "bytes_written", "durable_s"} <= set(rank_out["seen"][0]["metrics"])
+        assert {"stall_s", "persist_s", "copy_wait_s", "bytes_written", "durable_s"} <= set(rank_out["seen"][0]["metrics"])
         assert rank_out["committed_despite_raising_callback"] == "two"
 
 

@@ -27,6 +27,7 @@ class Method:
         self.rank = rank
         self.durable_s: list[float] = []
         self.extra_stall_s: list[float] = []
+        self.save_metrics: list[dict[str, Any]] = []  # per save, where a method reports more (its handle's)
         self.bytes_per_save = 0
 
     def save(self, tag: str) -> None:
@@ -247,6 +248,7 @@ class AsyncCkpt(Method):
             handle.result()
             self.durable_s.append(handle.metrics["durable_s"])
             self.extra_stall_s.append(handle.metrics.get("step_wait_s", 0.0))
+            self.save_metrics.append({k: v for k, v in handle.metrics.items() if isinstance(v, (int, float))})
         self.bytes_per_save = self.handles[-1].metrics["bytes_written"]
 
     def close(self) -> None:

@@ -114,6 +114,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         for i, save in enumerate(saves):
             save["durable_s"] = method.durable_s[i] if i < len(method.durable_s) else None
             save["extra_stall_s"] = method.extra_stall_s[i] if i < len(method.extra_stall_s) else 0.0
+            if i < len(method.save_metrics):
+                save["metrics"] = method.save_metrics[i]
         entry["saves"] = saves
         if hasattr(method, "rss_before_save"):
             entry["rss_before_save"] = method.rss_before_save

@@ -58,6 +58,7 @@ import torch
 import torch.multiprocessing  # registers the tensor reductions (shared-memory handles) with ForkingPickler
 
 from async_ckpt.manifest import FileEntry
+from async_ckpt.serialization import storage_order
 
 #: The worker's nice value (see the module docstring).
 NICE = 10
@@ -222,6 +223,10 @@ class WriterProcess:
             where = getattr(storage, "url", storage)
             raise RuntimeError(f"the writer-process prototype writes local folders only, not {where!r}")
         options = {"fsync": getattr(storage, "fsync", True), "direct_io": getattr(storage, "direct_io", True)}
+        await_copy = kwargs.pop("await_copy", None)  # the copies run in this process: wait for them all here
+        if await_copy is not None:
+            for address in storage_order(obj):
+                await_copy(address)
         kwargs = {**kwargs, "scratch_dir": scratch_dir, "lend": lending is not None}
         with self._lock:
             started = time.perf_counter()
