@@ -9,7 +9,7 @@ file and position, so the second and every later save reuses the memory of the f
 allocation costs page faults: about 4x slower than a copy into memory already touched).
 
 On CUDA the buffers are pinned and the device-to-host copies run non-blocking on a dedicated
-stream, tracked by an event; on CPU, deferred copies run on one helper thread owned by the pool.
+stream, tracked by events; on CPU, deferred copies run on one helper thread owned by the pool.
 Either way a :class:`CopyTicket` says when the snapshot is safe, as a whole and buffer by buffer.
 """
 
@@ -115,9 +115,9 @@ class StagingPool:
         self._placements: dict[int, int] = {}
         self._reserve: mmap.mmap | None = None
         self._reserve_used = 0
-        self._reserving: threading.Thread | None = None
-        self._trimming: threading.Thread | None = None
-        self._copier: ThreadPoolExecutor | None = None
+        self._reserving: Future[None] | None = None
+        self._trimming: Future[None] | None = None
+        self._helper: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}
         self.allocations = 0
 
@@ -126,27 +126,25 @@ class StagingPool:
         return sum(t.numel() * t.element_size() for t in self._slots.values())
 
     def reserve(self, nbytes: int) -> None:
-        """Map ``nbytes`` of host memory and fault it in on a background thread, so that the first
+        """Map ``nbytes`` of host memory and fault it in on the pool's helper thread, so that the first
         snapshot copies into memory already touched (faulting in fresh pages costs several times the
         copy) and the first save stalls no longer than the next ones. The first snapshots carve their
-        buffers out of it; :meth:`trim_reserve` gives back what they left."""
+        buffers out of it; :meth:`trim_reserve` gives back what they left. Starting the helper thread
+        here also keeps its start (milliseconds on a busy machine) out of the first save's stall."""
         if nbytes <= 0 or self._reserve is not None:
             return
         self._reserve = mmap.mmap(-1, nbytes)
-        self._reserving = threading.Thread(target=_populate, args=(self._reserve,), daemon=True,
-                                           name="async_ckpt-stage-reserve")
-        self._reserving.start()
+        self._reserving = self._helper_thread().submit(_populate, self._reserve)
 
     def trim_reserve(self) -> None:
         """After the first save's snapshots: return the reserved memory they did not use to the system,
-        on a background thread (freeing hundreds of MB takes tens of milliseconds: not the stall's)."""
+        on the helper thread after the save's copies (freeing hundreds of MB takes tens of milliseconds:
+        not the stall's)."""
         if self._reserve is None or self._reserving is None or self._trimming is not None:
             return
         start = -(-self._reserve_used // mmap.PAGESIZE) * mmap.PAGESIZE
         self._reserve_used = len(self._reserve)  # nothing more is carved from it
-        self._trimming = threading.Thread(target=_release_tail, args=(self._reserve, start, self._reserving),
-                                          daemon=True, name="async_ckpt-stage-trim")
-        self._trimming.start()
+        self._trimming = self._helper_thread().submit(_release_tail, self._reserve, start)
 
     @property
     def aligned_slots(self) -> int:
@@ -188,11 +186,9 @@ class StagingPool:
             buffers.update(self._copy_on_side_stream(device_pairs))
             waiters += buffers.values()
         if host_pairs and background:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_ckpt-stage",
-                                                  initializer=self._copier_init)
+            helper = self._helper_thread()
             for dst, src in host_pairs:
-                future: Future[None] = self._copier.submit(_copy_all, [(dst, src)])
+                future: Future[None] = helper.submit(_copy_all, [(dst, src)])
                 waiters.append(future.result)
                 buffers[dst.untyped_storage().data_ptr()] = future.result
         elif host_pairs:
@@ -200,17 +196,23 @@ class StagingPool:
         return CopyTicket(waiters, buffers)
 
     def close(self) -> None:
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-            self._copier = None
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)  # after the copies, the reservation's faulting-in and trim
+            self._helper = None
         self._slots.clear()
         self._bases.clear()
         self._placements.clear()
-        for thread in (self._reserving, self._trimming):
-            if thread is not None:
-                thread.join()
         self._reserving = self._trimming = None
         self._reserve = None
+
+    def _helper_thread(self) -> ThreadPoolExecutor:
+        """The pool's one helper thread: deferred host copies, and the reservation's faulting-in and trim,
+        in the order submitted."""
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_ckpt-stage",
+                                              initializer=self._copier_init)
+            self._helper.submit(lambda: None)  # the thread starts now, not at the first save
+        return self._helper
 
     def _copy_on_side_stream(self, pairs: list[CopyPair]) -> dict[int, Callable[[], None]]:
         """Queue the copies on the device's side stream; per destination buffer, what waits for its copy."""
@@ -268,7 +270,7 @@ class StagingPool:
         """``length`` bytes of the reserve (once its pages are faulted in), else a new mapping."""
         if self._reserve is not None and self._reserve_used + length <= len(self._reserve):
             if self._reserving is not None:
-                self._reserving.join()
+                self._reserving.result()
             start = -(-self._reserve_used // PLACEMENT_ALIGN) * PLACEMENT_ALIGN
             if start + length <= len(self._reserve):
                 self._reserve_used = start + length
@@ -360,9 +362,8 @@ def _populate(mapping: mmap.mmap) -> None:
         torch.frombuffer(mapping, dtype=torch.uint8).zero_()
 
 
-def _release_tail(mapping: mmap.mmap, start: int, populating: threading.Thread) -> None:
-    """Once ``mapping`` is faulted in, give its pages from ``start`` on back to the system."""
-    populating.join()
+def _release_tail(mapping: mmap.mmap, start: int) -> None:
+    """Give the pages of ``mapping`` from ``start`` on back to the system (run after its faulting-in)."""
     if start < len(mapping):
         mapping.madvise(mmap.MADV_DONTNEED, start, len(mapping) - start)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import threading
 import zipfile
 import zlib
 
@@ -103,6 +104,21 @@ def test_reserved_memory_is_carved_for_the_first_snapshot():
     start = buffer_address(pool._reserve)
     assert all(start <= address < start + 64 * MiB for address, size in staged.regions if size >= MiB)
     assert torch.equal(staged.obj["flat"], _state()["flat"])
+
+
+def test_the_first_save_starts_no_thread_after_the_reservation():
+    """Starting a thread takes milliseconds on a busy machine: the copies and the trim run on the helper
+    thread the reservation started."""
+    pool = StagingPool()
+    pool.reserve(64 * MiB)
+    threads = threading.active_count()
+    state, staged = _deferred_snapshot(pool)
+    ticket = pool.copy(staged.deferred, background=True)
+    pool.trim_reserve()
+    assert threading.active_count() == threads
+    ticket.wait()
+    assert torch.equal(staged.obj["flat"], state["flat"])
+    pool.close()
 
 
 @pytest.mark.parametrize("misalign", [0, 64], ids=["aligned", "misaligned"])
