@@ -32,15 +32,18 @@ ROOT = HERE.parents[1]
 DEFAULT_TESTS = ROOT.parent / "shared" / "deepspeed-tests"
 
 
-def run_mode(mode: str, tests_dir: Path, selection: list[str], work: Path, timeout_s: int) -> dict:
+def run_mode(mode: str, tests_dir: Path, selection: list[str], work: Path, timeout_s: int,
+             wrap_options: dict | None = None) -> dict:
     """One pytest run of ``selection``: every test's outcome, and (injected) every background save's."""
     junit = work / f"{mode}.xml"
     saves = work / f"{mode}-saves.log"
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="4", OMP_NUM_THREADS="1",
                TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"))
     env.pop("ASYNC_CKPT_CONFORMANCE_LOG", None)
+    env.pop("ASYNC_CKPT_CONFORMANCE_OPTIONS", None)
     if mode == "async_ckpt":
         env["ASYNC_CKPT_CONFORMANCE_LOG"] = str(saves)
+        env["ASYNC_CKPT_CONFORMANCE_OPTIONS"] = json.dumps(wrap_options or {})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--timeout={timeout_s}",
                f"--junitxml={junit}", "-q", *selection]
@@ -63,7 +66,8 @@ def run_mode(mode: str, tests_dir: Path, selection: list[str], work: Path, timeo
                 message = text.splitlines()[0][:200] if text else ""
         results[nodeid] = {"outcome": outcome, "message": message, "seconds": round(float(case.get("time", 0)), 1)}
     outcomes = saves.read_text().splitlines() if saves.exists() else []
-    return {"tests": results, "saves_ok": sum(line.endswith("\tok") for line in outcomes),
+    return {"tests": results, "wrap_options": (wrap_options or {}) if mode == "async_ckpt" else None,
+            "saves_ok": sum(line.endswith("\tok") for line in outcomes),
             "failed_saves": [line for line in outcomes if not line.endswith("\tok")]}
 
 
@@ -116,6 +120,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test (the first builds ops)")
     parser.add_argument("--work", type=Path, default=None, help="keep junit files and op builds here")
     parser.add_argument("--out", type=Path, default=None, help="write the table and every outcome as JSON")
+    parser.add_argument("--wrap-options", type=json.loads, default={}, metavar="JSON",
+                        help="options for every async_ckpt.wrap of the async_ckpt mode, e.g. '{\"overwrite_tags\": true}'")
     parser.add_argument("--quick", action="store_true",
                         help="CI's run: only async_ckpt, on the tests in selection-quick.txt (each passes on stock "
                              "DeepSpeed here); fails unless every one passes and every background save commits")
@@ -151,7 +157,7 @@ def main() -> int:
         return 2
     work = args.work or Path(tempfile.mkdtemp(prefix="async_ckpt_conformance_"))
     work.mkdir(parents=True, exist_ok=True)
-    runs = {mode: run_mode(mode, args.deepspeed_tests, args.selection, work, args.timeout)
+    runs = {mode: run_mode(mode, args.deepspeed_tests, args.selection, work, args.timeout, args.wrap_options)
             for mode in args.modes.split(",")}
     status = report(runs, args.selection, args.out)
     if args.quick:

@@ -5,6 +5,8 @@ unchanged, so the wrap has to happen where every interpreter starts: this file i
 ``PYTHONPATH`` by ``tests/conformance/run.py`` and does nothing unless
 ``ASYNC_CKPT_CONFORMANCE_LOG`` names a file. Each save's outcome (committed or the failure) is
 appended to that file, so that a background failure that no test reads back still fails the run.
+``ASYNC_CKPT_CONFORMANCE_OPTIONS`` (a JSON object) adds options to the wrap, e.g. DeepSpeed's
+re-save semantics, ``{"overwrite_tags": true}``.
 """
 
 import os
@@ -20,9 +22,12 @@ if os.environ.get("ASYNC_CKPT_CONFORMANCE_LOG"):
             log.write(line)
 
     def _wrap_initialize(deepspeed):
+        import json
         import tempfile
 
         import async_ckpt
+
+        options = json.loads(os.environ.get("ASYNC_CKPT_CONFORMANCE_OPTIONS") or "{}")
 
         original = deepspeed.initialize
 
@@ -31,7 +36,7 @@ if os.environ.get("ASYNC_CKPT_CONFORMANCE_LOG"):
             engine = result[0]
             if hasattr(engine, "save_checkpoint"):
                 async_ckpt.wrap(engine, tempfile.mkdtemp(prefix="async_ckpt_conformance_"), on_error="raise",
-                                on_save_done=_record)
+                                on_save_done=_record, **options)
             return result
 
         deepspeed.initialize = initialize
