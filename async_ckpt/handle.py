@@ -41,10 +41,10 @@ class SaveHandle:
     optimizer step for the copy), then ``persist_s``, ``copy_wait_s`` (of it, the writer waiting
     for overlapped copies), ``bytes_written``, ``zero_copy_bytes`` (bytes written straight from
     the staging memory), ``upload_buffer_peak_bytes`` (object stores: the most part memory the
-    uploader has held so far, bounded by ``(max_concurrency + 1) * part_size``) and ``commit_s``;
-    ``durable_s`` (seconds from ``save()`` to the commit); with a local tier also
-    ``local_committed_s`` and ``durable_s`` (seconds from ``save()`` to each commit), ``drain_s``
-    and ``tier`` (``"local"``, or ``"durable"`` when the save went straight to the URL).
+    uploader has held so far, bounded by ``(max_concurrency + 1) * part_size``), ``commit_s`` and
+    ``durable_s`` (seconds from ``save()`` to the commit); with a local tier ``local_committed_s``
+    and ``durable_s`` (seconds from ``save()`` to each commit), ``drain_s`` and ``tier``
+    (``"local"``, or ``"durable"`` when the save went straight to the URL).
     """
 
     tag: str

@@ -79,7 +79,7 @@ def storage_order(obj: Any) -> list[int]:
             return len(seen)
 
     _Pickler(_Discard(), protocol=2).dump(obj)
-    return [address for address in seen.values() if address]
+    return list(dict.fromkeys(address for address in seen.values() if address))
 
 
 class _Discard:
@@ -159,10 +159,12 @@ class ChecksumWriter:
 
     def write_ahead(self) -> None:
         """Start writing every lent buffer whose file offset the previous save recorded (the sink writes
-        it, once its copy is done, while torch.save still computes the CRC-32 of the records before it)."""
+        it, once its copy is done, while torch.save still computes the CRC-32 of the records before it),
+        in the order the copies run."""
         if self._lending is None or not hasattr(self._sink, "write_ahead"):
             return
-        for address, size in self._lending.regions:
+        rank = {address: i for i, address in enumerate(self._order)}
+        for address, size in sorted(self._lending.regions, key=lambda region: rank.get(region[0], len(rank))):
             offset = self._lending.placements.get(address)
             if offset is not None and size >= LEND_MIN:
                 ready = functools.partial(self._await_copy, address) if self._await_copy is not None else None

@@ -225,7 +225,7 @@ class StagingPool:
         with torch.cuda.stream(stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning on a busy host
                 event.record(stream)
                 done[dst.untyped_storage().data_ptr()] = event.synchronize
         for _, src in pairs:

@@ -19,6 +19,7 @@ import torch
 
 from async_ckpt.checksum import crc32_combine, format_crc
 from async_ckpt.serialization import ChecksumWriter, Lending, storage_order, write_torch_file
+from async_ckpt import staging
 from async_ckpt.staging import PLACEMENT_ALIGN, StagingPool
 from async_ckpt.storage import LocalStorage
 from async_ckpt.storage.base import buffer_address
@@ -195,13 +196,15 @@ class _CopyOnDemand:
         self.asked: list[int] = []
         self.file_size_when_asked: list[int] = []
         self.sink_size = sink_size
+        self._lock = threading.Lock()  # the writer and the I/O threads writing ahead ask at once
 
     def __call__(self, address: int) -> None:
-        if address in self.pairs and address not in self.asked:
-            self.asked.append(address)
-            self.file_size_when_asked.append(self.sink_size())
-            dst, src = self.pairs[address]
-            dst.copy_(src)
+        with self._lock:
+            if address in self.pairs and address not in self.asked:
+                self.asked.append(address)
+                self.file_size_when_asked.append(self.sink_size())
+                dst, src = self.pairs[address]
+                dst.copy_(src)
 
 
 def test_storage_order_is_the_order_torch_save_writes_the_records():
@@ -252,13 +255,50 @@ def test_a_storage_met_out_of_the_predicted_order_fails_the_file(direct_root):
     assert os.listdir(direct_root / "root" / "t") == []
 
 
-def test_background_copies_complete_buffer_by_buffer():
+def test_background_copies_complete_buffer_by_buffer(monkeypatch):
+    """The first buffer is ready while a later copy is still held back."""
+    release = threading.Event()
+    copy_all = staging._copy_all
     pool = StagingPool()
     state, staged = _deferred_snapshot(pool)
-    ticket = pool.copy(staged.deferred, background=True)
     first = staged.deferred[0][0]
+
+    def held_back(pairs):
+        if pairs[0][0] is not first:
+            assert release.wait(30)
+        copy_all(pairs)
+
+    monkeypatch.setattr(staging, "_copy_all", held_back)
+    ticket = pool.copy(staged.deferred, background=True)
     ticket.wait_for(first.untyped_storage().data_ptr())
-    assert torch.equal(first, staged.deferred[0][1])
+    assert torch.equal(first, staged.deferred[0][1]) and not ticket.done
+    release.set()
     ticket.wait()
     assert torch.equal(staged.obj["moments"]["exp_avg_sq"], state["moments"]["exp_avg_sq"])
     pool.close()
+
+
+def test_writes_ahead_waiting_for_their_copy_do_not_hold_up_the_stream(direct_root):
+    """Two chunks written ahead wait for a copy that has not run: the stream's own writes still go out."""
+    payload = os.urandom(2 * 32 * MiB + 5000)  # more chunks than the writer has I/O threads
+    memory = mmap.mmap(-1, len(payload) + PLACEMENT_ALIGN)
+    memory[:len(payload)] = payload
+    copied = threading.Event()
+    path = direct_root / "ahead.bin"
+    fd = _open_direct(str(path))
+    writer = DirectWriter(fd, buffer_bytes=1 * MiB)
+    stream = os.urandom(3 * MiB + 17)
+    try:
+        with memoryview(memory) as view:
+            writer.write_ahead(view[:len(payload)], 64 * MiB, ready=lambda: copied.wait(60))
+            streaming = threading.Thread(target=writer.write, args=(stream,))
+            streaming.start()
+            streaming.join(30)  # three 1 MiB bounce buffers: each waits for the write of the one before
+            assert not streaming.is_alive()
+            copied.set()
+            writer.finish()
+    finally:
+        copied.set()
+        writer.release()
+        os.close(fd)
+    assert path.read_bytes() == stream

@@ -104,6 +104,7 @@ class DirectWriter:
         self._ahead: list[tuple[int, int, int, list[Future[None]]]] = []  # offset, length, address, writes
         self._scratch: queue.Queue[mmap.mmap] | None = None
         self._io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="async_ckpt-direct-io")
+        self._ahead_io: ThreadPoolExecutor | None = None  # writes ahead that wait for their buffer's copy
         self.copied_bytes = 0  # lent bytes that needed a copy (address and offset aligned differently)
 
     @property
@@ -124,7 +125,8 @@ class DirectWriter:
 
     def write_ahead(self, data: object, offset: int, *, ready: Callable[[], None] | None = None) -> None:
         """Start writing a lent buffer at the file offset it is expected at, before the stream reaches it;
-        with ``ready``, the I/O threads call it first (it returns once the buffer holds its bytes).
+        with ``ready`` (it returns once the buffer holds its bytes), on I/O threads of their own that call
+        it first, so that the stream's writes never queue behind a write ahead still waiting for its bytes.
 
         If :meth:`write_borrowed` later hands over the same memory at the same offset, it is already
         written or on its way. If not, the bytes written ahead are overwritten: every later write
@@ -135,7 +137,10 @@ class DirectWriter:
         body = middle.nbytes
         if body <= 0 or (_address(middle) - offset - head) % self._align:
             return
-        writes = [self._io.submit(_write_when_ready, ready, self._fd, middle[i:i + _CHUNK], offset + head + i)
+        if ready is not None and self._ahead_io is None:
+            self._ahead_io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="async_ckpt-direct-ahead")
+        io = self._io if ready is None else self._ahead_io
+        writes = [io.submit(_write_when_ready, ready, self._fd, middle[i:i + _CHUNK], offset + head + i)  # type: ignore[union-attr]
                   for i in range(0, body, _CHUNK)]
         self._writes += writes
         self._ahead.append((offset + head, body, _address(middle), writes))
@@ -235,6 +240,8 @@ class DirectWriter:
     def release(self) -> None:
         """Stop the I/O threads (after the writes in flight) and free the buffers."""
         self._io.shutdown(wait=True)
+        if self._ahead_io is not None:
+            self._ahead_io.shutdown(wait=True)
         self._writes.clear()
         self._ahead.clear()
         self._buffer_writes = [None, None]

@@ -129,6 +129,8 @@ def main() -> int:
                         help="tabulate earlier single-mode runs instead: the stock one, then async_ckpt ones (a "
                              "later run's outcome of a test replaces an earlier one's)")
     args = parser.parse_args()
+    if not isinstance(args.wrap_options, dict):
+        parser.error(f"--wrap-options must be a JSON object of async_ckpt.wrap options, got {args.wrap_options!r}")
     if args.quick:
         args.modes = "async_ckpt"
     if not args.selection:
