@@ -128,10 +128,11 @@ class ChecksumWriter:
             if self._next < 0 and self._order:  # the first record (torch pickled the object before it)
                 self._next = 0
                 self._await_copy(self._order[0])  # type: ignore[misc]
-            expected = bool(self._unwritten) and buffer_address(view) in self._unwritten
-            if expected and buffer_address(view) != self._order[self._next]:
+            address = buffer_address(view) if self._unwritten else None
+            expected = address in self._unwritten
+            if expected and address != self._order[self._next]:
                 raise RuntimeError(
-                    f"torch.save wrote the storage at {buffer_address(view):#x} out of the order async_ckpt "
+                    f"torch.save wrote the storage at {address:#x} out of the order async_ckpt "
                     "predicted; the file is not written. Save with overlap_copy=False and report this")
             if self._lendable(view):
                 self._awaiting = [None, view.nbytes, view]
@@ -225,7 +226,9 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
     With ``scratch_dir`` (a local folder) the bytes are exactly DeepSpeed's (see the module
     docstring); without it torch.save streams straight into storage, lending it the tensor data
     that lies in the ``lending`` regions (see :class:`ChecksumWriter`). ``await_copy(address)``
-    waits for the staging copy into the storage at ``address``, if ``obj``'s copies may still run.
+    waits for the staging copy into the storage at ``address``, if ``obj``'s copies may still run
+    (streamed files only: torch.save into a scratch file has no hook between records, so the caller
+    waits for every copy first).
     """
     if scratch_dir is None:
         order = storage_order(obj) if await_copy is not None else []
@@ -241,8 +244,7 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
             writer.flush()
         return FileEntry(path=relpath[len(tag_dir) + 1:], size=writer.size, crc32=format_crc(writer.crc), rank=rank)
     if await_copy is not None:
-        for address in storage_order(obj):  # torch.save into a file: no hook between records
-            await_copy(address)
+        raise ValueError("await_copy applies to streamed files only: wait for the copies before a scratch-file save")
     os.makedirs(scratch_dir, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="async_ckpt_scratch_", dir=scratch_dir)
     try:

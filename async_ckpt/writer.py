@@ -113,19 +113,21 @@ class BackgroundWriter:
             started = time.perf_counter()
             lent = copied = 0
             copy_wait = _CopyWait(job)
+            scratch_dir = self._scratch_dir(job)
+            streamed = job.max_shard_bytes is None and scratch_dir is None
             for staged in job.files:
                 current = staged.relpath
+                if staged.deferred and not streamed:  # copied in the background; no hook inside this write
+                    copy_wait.all()
                 if job.max_shard_bytes is None:
-                    # copied in the background: each storage is written once its own copy is done
-                    await_copy = copy_wait if staged.deferred else None
+                    # a streamed file waits for each storage's own copy just before torch.save reads it
+                    await_copy = copy_wait if staged.deferred and streamed else None
                     lending = Lending(staged.regions, staged.placements)
                     written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag,
-                                                    rank=job.rank, scratch_dir=self._scratch_dir(job), lending=lending,
+                                                    rank=job.rank, scratch_dir=scratch_dir, lending=lending,
                                                     await_copy=await_copy))
                     lent, copied = lent + lending.lent_bytes, copied + lending.copied_bytes
                 else:
-                    if staged.deferred:
-                        copy_wait.all()
                     written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,
                                                  rank=job.rank))
             current = "the staging copies"
