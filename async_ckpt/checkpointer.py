@@ -396,7 +396,8 @@ class AsyncCheckpointer:
                 started: float, *, save_latest: bool, extras_dir: str | None, metrics: dict[str, float],
                 consolidated: bool = False, max_shard_bytes: int | None = None, tiered: bool = False) -> SaveHandle:
         """Hand a snapshotted save to the background writer; its handle's ``stall_s`` ends here. A
-        ``tiered`` save is committed in ``storage`` (the local tier), then drained to the URL."""
+        ``tiered`` save is committed in ``storage`` (the local tier), then drained to the URL. With
+        ``synchronous``, wait for the commit before returning."""
         handle = SaveHandle(tag=tag, url=self.storage.url if tiered else storage.url)
         job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=self.rank, world_size=self.world_size,
                       files=files, ticket=ticket, handle=handle, save_latest=save_latest,
@@ -411,6 +412,9 @@ class AsyncCheckpointer:
         self._last_job = job
         self._handles.append(handle)
         self._writer.submit(job)
+        if self.config.synchronous:
+            self._bounded(handle.wait, tag, "the save to commit (synchronous=True)", self.config.wait_timeout_s)
+            self._surface_errors()
         return handle
 
     def _agree(self, storage: Storage, tag: str, *, replace_export: bool = False,

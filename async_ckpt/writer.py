@@ -209,5 +209,5 @@ class BackgroundWriter:
             except Exception as cleanup_exc:
                 logger.debug("could not remove %s: %s", entry.path, cleanup_exc)
         logger.error("%s", error)
+        self._on_failure(error)  # before the handle settles: whoever it wakes finds the failure recorded
         job.handle._fail(error)
-        self._on_failure(error)

@@ -10,6 +10,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 import async_ckpt
 from async_ckpt import workload
+from faulty_fs import register as register_faulty
 from rank_tasks import _rank, _tokens
 
 #: Every write() into a data file sleeps this long (torch.save writes each file in dozens of calls),
@@ -18,9 +19,7 @@ SLOW_WRITE_S = 0.05
 
 
 def _slow_checkpointer(root: str):
-    from faulty_fs import register
-
-    register()
+    register_faulty()
     engine = workload.make_engine(2, "fp32")
     workload.train(engine, 1, _tokens(), _rank())
     return engine, async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"latency_s": SLOW_WRITE_S})
@@ -70,6 +69,37 @@ def wait_all_right_after_save(root: str) -> dict:
     done = handle.done()
     ckpt.close()
     return {"in_flight": in_flight, "done_after_wait_all": done, "latest": open(f"{root}/latest").read()}
+
+
+def synchronous_save_then_read_the_files(root: str) -> dict:
+    """With synchronous=True, engine.save_checkpoint returns with its files committed (DeepSpeed's semantics):
+    a torch.load of the model file right after it, as DeepSpeed's own tests do, finds it."""
+    import torch
+
+    register_faulty()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"latency_s": SLOW_WRITE_S}, synchronous=True):
+        engine.save_checkpoint(root, tag="sync")
+        module = torch.load(f"{root}/sync/mp_rank_00_model_states.pt", weights_only=False)["module"]
+        latest = _read_latest(root)
+    return {"module_keys": len(module), "latest": latest}
+
+
+def synchronous_save_that_fails(root: str) -> dict:
+    """With synchronous=True and on_error="raise", a failed write (rank 1's disk full) is raised by the save
+    call itself on every rank; 'latest' stays on the previous tag."""
+    from rank_tasks import _outcome
+
+    register_faulty()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, f"faulty://{root}", synchronous=True, on_error="raise") as ckpt:
+        ckpt.save(tag="good")
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"fail_ranks": [1]}, synchronous=True,
+                         on_error="raise", commit_timeout_s=60) as ckpt:
+        failed = _outcome(lambda: ckpt.save(tag="bad"))
+    return {"failed": failed, "latest": _read_latest(root)}
 
 
 def per_rank_tags(root: str, mode: str) -> dict:

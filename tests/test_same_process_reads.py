@@ -36,6 +36,17 @@ def test_wait_all_waits_for_every_save_in_flight(ranks, tmp_path):
         assert rank == {"in_flight": True, "done_after_wait_all": True, "latest": "a"}
 
 
+def test_a_synchronous_save_returns_with_its_files_committed(ranks, tmp_path):
+    for rank in ranks.run(reader_tasks.synchronous_save_then_read_the_files, str(tmp_path / "ckpt")):
+        assert rank["module_keys"] > 0 and rank["latest"] == "sync"
+
+
+def test_a_synchronous_save_that_fails_raises_in_the_save_call_on_every_rank(ranks, tmp_path):
+    for rank in ranks.run(reader_tasks.synchronous_save_that_fails, str(tmp_path / "ckpt")):
+        assert rank["failed"][0] == "SaveFailedError" and "'bad'" in rank["failed"][1]
+        assert rank["latest"] == "good"
+
+
 _PER_RANK: dict[str, list] = {}
 
 
