@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,8 +42,11 @@ def run_mode(mode: str, tests_dir: Path, selection: list[str], work: Path, timeo
                TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"))
     env.pop("ASYNC_CKPT_CONFORMANCE_LOG", None)
     env.pop("ASYNC_CKPT_CONFORMANCE_OPTIONS", None)
+    env.pop("ASYNC_CKPT_CONFORMANCE_WORK", None)
     if mode == "async_ckpt":
         env["ASYNC_CKPT_CONFORMANCE_LOG"] = str(saves)
+        env["ASYNC_CKPT_CONFORMANCE_WORK"] = str(work / "wrap_urls")
+        (work / "wrap_urls").mkdir(exist_ok=True)
         env["ASYNC_CKPT_CONFORMANCE_OPTIONS"] = json.dumps(wrap_options or {})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--timeout={timeout_s}",
@@ -159,8 +163,12 @@ def main() -> int:
         return 2
     work = args.work or Path(tempfile.mkdtemp(prefix="async_ckpt_conformance_"))
     work.mkdir(parents=True, exist_ok=True)
-    runs = {mode: run_mode(mode, args.deepspeed_tests, args.selection, work, args.timeout, args.wrap_options)
-            for mode in args.modes.split(",")}
+    try:
+        runs = {mode: run_mode(mode, args.deepspeed_tests, args.selection, work, args.timeout, args.wrap_options)
+                for mode in args.modes.split(",")}
+    finally:
+        if args.work is None:  # a folder of our own: its op builds and junit files go with it
+            shutil.rmtree(work, ignore_errors=True)
     status = report(runs, args.selection, args.out)
     if args.quick:
         ours = runs["async_ckpt"]

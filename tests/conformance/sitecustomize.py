@@ -6,7 +6,9 @@ unchanged, so the wrap has to happen where every interpreter starts: this file i
 ``ASYNC_CKPT_CONFORMANCE_LOG`` names a file. Each save's outcome (committed or the failure) is
 appended to that file, so that a background failure that no test reads back still fails the run.
 ``ASYNC_CKPT_CONFORMANCE_OPTIONS`` (a JSON object) adds options to the wrap, e.g. DeepSpeed's
-re-save semantics, ``{"overwrite_tags": true}``.
+re-save semantics, ``{"overwrite_tags": true}``. Each wrap's own URL (unused: the tests name their
+folders in ``save_checkpoint``) is a fresh folder under ``ASYNC_CKPT_CONFORMANCE_WORK``, which the run
+removes.
 """
 
 import os
@@ -35,8 +37,8 @@ if os.environ.get("ASYNC_CKPT_CONFORMANCE_LOG"):
             result = original(*args, **kwargs)
             engine = result[0]
             if hasattr(engine, "save_checkpoint"):
-                async_ckpt.wrap(engine, tempfile.mkdtemp(prefix="async_ckpt_conformance_"), on_error="raise",
-                                on_save_done=_record, **options)
+                url = tempfile.mkdtemp(prefix="wrap_", dir=os.environ.get("ASYNC_CKPT_CONFORMANCE_WORK"))
+                async_ckpt.wrap(engine, url, on_error="raise", on_save_done=_record, **options)
             return result
 
         deepspeed.initialize = initialize
