@@ -332,10 +332,12 @@ def _ep_step(engine: Any) -> float:
     return float(loss.float().item())
 
 
-def autoep_run(root: str, stage: int) -> dict:
-    """AutoEP size 2 on 2 ranks. Under ZeRO-3, also DeepSpeed's refusal of a consolidated export: by
-    the engine alone, by the engine after wrap and by ``save_consolidated``; a save works after them."""
-    out, engine = _layout_run(lambda seed: _ep_engine(seed, stage=stage), _ep_step, root, "autoep")
+def autoep_run(root: str, stage: int, s3_url: str | None = None, options: dict | None = None) -> dict:
+    """AutoEP size 2 on 2 ranks (also saved to ``s3_url`` and resumed from it, if given). Under ZeRO-3,
+    also DeepSpeed's refusal of a consolidated export: by the engine alone, by the engine after wrap and
+    by ``save_consolidated``; a save works after them."""
+    out, engine = _layout_run(lambda seed: _ep_engine(seed, stage=stage), _ep_step, root, "autoep",
+                              s3=(s3_url, options) if s3_url else None)
     if stage == 3:
         out["stock_16bit"] = _outcome(lambda: engine.save_16bit_model(f"{root}/stock_16bit"))
         with async_ckpt.wrap(engine, f"{root}/async") as ckpt:

@@ -98,10 +98,12 @@ def moe_zero2(layout_ranks, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def autoep(layout_ranks, tmp_path_factory):
+def autoep(layout_ranks, s3, tmp_path_factory):
+    """AutoEP size 2, ZeRO-1 fp32; also on S3."""
     root = tmp_path_factory.mktemp("autoep-zero1")
-    out = layout_ranks.run("dp", layout_tasks.autoep_run, str(root), 1)
-    return {"root": root, "ranks": out}
+    url = f"s3://{s3.make_bucket('layouts-autoep')}/run"
+    out = layout_ranks.run("dp", layout_tasks.autoep_run, str(root), 1, url, options(s3.endpoint))
+    return {"root": root, "url": url, "ranks": out}
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +169,15 @@ def autotp_universal(autotp, one_rank, s3):
 
 
 @pytest.fixture(scope="module")
-def autoep_universal(autoep, one_rank):
-    """The EP-2 ZeRO-1 checkpoint converted by `async-ckpt to-universal` (and by DeepSpeed from the stock
-    copy), each loaded on one rank with AutoEP size 1."""
-    root = autoep["root"]
+def autoep_universal(autoep, one_rank, s3):
+    """The EP-2 ZeRO-1 checkpoint converted by `async-ckpt to-universal` on disk and on S3 (and by DeepSpeed
+    from the stock copy), each loaded on one rank with AutoEP size 1."""
+    root, url = autoep["root"], autoep["url"]
     assert cli(["to-universal", str(root / "async"), "--out", str(root / "async"), "--json", "--workers", "1"]) == 0
+    assert cli(["to-universal", url, "--endpoint", s3.endpoint, "--out", url, "--json", "--workers", "1"]) == 0
     _stock_universal(root)
-    sources = {"local": (str(root / "async"), None, True), "stock": (str(root / "stock"), None, False)}
+    sources = {"local": (str(root / "async"), None, True), "s3": (url, options(s3.endpoint), True),
+               "stock": (str(root / "stock"), None, False)}
     out = one_rank.run(layout_tasks.autoep_universal, 1, list(sources.values()), timeout_s=600)
     return {name: out[0][src[0]] for name, src in sources.items()}
 
@@ -358,8 +362,16 @@ def test_moe_without_zero_resume_from_s3_fetches_both_expert_parallel_optimizer_
         assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
 
 
-def test_autoep_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(autoep_universal):
-    ours, stock = autoep_universal["local"], autoep_universal["stock"]
+def test_autoep_resume_from_s3_takes_the_same_step(autoep):
+    for rank, out in enumerate(autoep["ranks"]):
+        resumed = out["resumed_s3"]
+        assert resumed["tag"] == TAG and resumed["loss"] == out["reference"]["loss"]
+        assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
+
+
+@pytest.mark.parametrize("source", ["local", "s3"])
+def test_autoep_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(autoep_universal, source):
+    ours, stock = autoep_universal[source], autoep_universal["stock"]
     assert ours["tag"] == f"{TAG}_universal" and ours["world_size"] == 1
     assert _state_differences(ours["loaded"], stock["loaded"]) == []
     assert ours["loss"] == stock["loss"]
