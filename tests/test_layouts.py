@@ -182,6 +182,20 @@ def autoep_universal(autoep, one_rank, s3):
     return {name: out[0][src[0]] for name, src in sources.items()}
 
 
+@pytest.fixture(scope="module")
+def autoep_zero3_universal(autoep_zero3, one_rank):
+    """The EP-2 ZeRO-3 checkpoint converted by `async-ckpt to-universal` (and by DeepSpeed from the stock
+    copy: DeepSpeed converts AutoEP under ZeRO-3 too, while its zero_to_fp32 refuses it), each loaded on one
+    rank with AutoEP size 1 under ZeRO-3."""
+    root = autoep_zero3["root"]
+    assert cli(["to-universal", str(root / "async"), "--tag", TAG, "--out", str(root / "async"), "--json",
+                "--workers", "1"]) == 0
+    _stock_universal(root)
+    sources = {"local": (str(root / "async"), None, True), "stock": (str(root / "stock"), None, False)}
+    out = one_rank.run(layout_tasks.autoep_universal, 3, list(sources.values()), timeout_s=600)
+    return {name: out[0][src[0]] for name, src in sources.items()}
+
+
 #: In this order, the module needs one restart of its ranks (see LayoutRanks).
 LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "offload_zero2", "offload_zero3", "frozen", "autotp",
            "pipeline", "pipeline_zero0"]
@@ -378,9 +392,20 @@ def test_autoep_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(a
     assert _state_differences(ours["state"], stock["state"]) == []
 
 
-def test_autoep_universal_holds_every_ranks_experts(autoep, autoep_universal):
-    saved = [o["saved"] for o in autoep["ranks"]]
-    loaded = autoep_universal["local"]["loaded"]
+def test_autoep_zero3_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(autoep_zero3_universal):
+    ours, stock = autoep_zero3_universal["local"], autoep_zero3_universal["stock"]
+    assert ours["tag"] == f"{TAG}_universal" and ours["world_size"] == 1
+    assert ours["loaded"] and _state_differences(ours["loaded"], stock["loaded"]) == []
+    assert ours["loss"] == stock["loss"]
+    assert _state_differences(ours["state"], stock["state"]) == []
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_autoep_universal_holds_every_ranks_experts(request, stage):
+    run, universal = (request.getfixturevalue(name) for name in (
+        ("autoep", "autoep_universal") if stage == 1 else ("autoep_zero3", "autoep_zero3_universal")))
+    saved = [o["saved"] for o in run["ranks"]]
+    loaded = universal["local"]["loaded"]
     experts = [k for k in saved[0] if k.startswith("module/") and ".experts.w" in k]
     assert experts and all(loaded[k].shape[0] == 2 * saved[0][k].shape[0] for k in experts)
     assert [k for k in experts if not torch.equal(loaded[k], torch.cat([saved[0][k], saved[1][k]]))] == []
@@ -439,3 +464,4 @@ def test_files_for_rank_covers_layer_expert_and_model_parallel_files():
                 "zero_pp_rank_1_mp_rank_01_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
     assert files_for_rank(zero3_tp, 1, 1) == zero3_tp[:3]  # DeepSpeed globs every mp rank's model states
     assert [model_parallel_size(p) for p in (pipeline, moe, zero3_tp, ["mp_rank_00_model_states.pt"])] == [2, 1, 2, 1]
+
