@@ -59,6 +59,11 @@ class Lending:
     copied_bytes: int = 0
 
 
+#: ``await_copy(address, end=None)``: wait until the staging copy into the buffer at ``address`` has
+#: reached its byte ``end`` (all of it by default).
+AwaitCopy = Callable[..., None]
+
+
 def storage_order(obj: Any) -> list[int]:
     """The data addresses of the tensor storages in ``obj``, in the order torch.save writes their records.
 
@@ -107,7 +112,7 @@ class ChecksumWriter:
     """
 
     def __init__(self, sink: BinaryIO, lending: Lending | None = None, *,
-                 await_copy: Callable[[int], None] | None = None, order: Sequence[int] = ()) -> None:
+                 await_copy: AwaitCopy | None = None, order: Sequence[int] = ()) -> None:
         self._sink = sink
         self._await_copy = await_copy
         self._order = list(order) if await_copy is not None else []
@@ -160,8 +165,8 @@ class ChecksumWriter:
 
     def write_ahead(self) -> None:
         """Start writing every lent buffer whose file offset the previous save recorded (the sink writes
-        it, once its copy is done, while torch.save still computes the CRC-32 of the records before it),
-        in the order the copies run."""
+        each piece of it once its copy reached that piece, while torch.save still computes the CRC-32 of
+        the records before it), in the order the copies run."""
         if self._lending is None or not hasattr(self._sink, "write_ahead"):
             return
         rank = {address: i for i, address in enumerate(self._order)}
@@ -220,12 +225,12 @@ def torch_writes_crc32() -> bool:
 
 def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, rank: int,
                      scratch_dir: str | None = None, lending: Lending | None = None,
-                     await_copy: Callable[[int], None] | None = None) -> FileEntry:
+                     await_copy: AwaitCopy | None = None) -> FileEntry:
     """``torch.save(obj)`` to ``relpath`` atomically; the entry's path is relative to ``tag_dir``.
 
     With ``scratch_dir`` (a local folder) the bytes are exactly DeepSpeed's (see the module
     docstring); without it torch.save streams straight into storage, lending it the tensor data
-    that lies in the ``lending`` regions (see :class:`ChecksumWriter`). ``await_copy(address)``
+    that lies in the ``lending`` regions (see :class:`ChecksumWriter`). ``await_copy(address, end)``
     waits for the staging copy into the storage at ``address``, if ``obj``'s copies may still run
     (streamed files only: torch.save into a scratch file has no hook between records, so the caller
     waits for every copy first).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import logging
 import mmap
 import threading
@@ -38,13 +39,22 @@ CopyPair = tuple[torch.Tensor, torch.Tensor]
 PLACEMENT_ALIGN = 4096
 
 
+#: Host copies run on the helper thread in pieces of this size, each completed on its own: the writer
+#: starts writing a large buffer once its first piece is copied instead of once all of it is.
+COPY_PIECE = 32 * 1024 * 1024
+
+#: Waits until the copy into one staging buffer has reached the given byte (``None``: all of it).
+BufferWait = Callable[[int | None], None]
+
+
 class CopyTicket:
     """Completion of a batch of staging copies: ``wait()`` returns once every copy is done, and
-    ``wait_for(address)`` once the copy into the buffer at that address is. The writer starts on each
-    buffer as soon as its own copy ends, so an overlapped copy and the disk run together."""
+    ``wait_for(address, end)`` once the copy into the buffer at that address has reached byte ``end``
+    (all of it by default). The writer starts on each piece of a buffer as soon as its copy ends,
+    so an overlapped copy and the disk run together."""
 
     def __init__(self, waiters: list[Callable[[], None]],
-                 buffers: dict[int, Callable[[], None]] | None = None) -> None:
+                 buffers: dict[int, BufferWait] | None = None) -> None:
         self._waiters = waiters
         self._buffers = buffers or {}
         self._lock = threading.Lock()
@@ -58,12 +68,12 @@ class CopyTicket:
                 wait()
             self._done = True
 
-    def wait_for(self, address: int) -> None:
-        """Wait for the copy into the staging buffer that starts at ``address``; a buffer this ticket
-        does not copy into is ready already."""
+    def wait_for(self, address: int, end: int | None = None) -> None:
+        """Wait for the copy into the staging buffer that starts at ``address``, up to its byte ``end``
+        (default: all of it); a buffer this ticket does not copy into is ready already."""
         waiter = None if self._done else self._buffers.get(address)
         if waiter is not None:
-            waiter()
+            waiter(end)
 
     @property
     def done(self) -> bool:
@@ -176,21 +186,23 @@ class StagingPool:
 
         Device sources are copied non-blocking on a side stream. Host sources are copied inline,
         or with ``background`` on the pool's helper thread, one buffer after the other in the order
-        given, so that training can go on meanwhile.
+        given (a whole storage in pieces of :data:`COPY_PIECE`, each completed on its own), so that
+        training can go on meanwhile.
         """
         device_pairs = [p for p in pairs if p[1].device.type != "cpu"]
         host_pairs = [p for p in pairs if p[1].device.type == "cpu"]
         waiters: list[Callable[[], None]] = []
-        buffers: dict[int, Callable[[], None]] = {}
+        buffers: dict[int, BufferWait] = {}
         if device_pairs:
-            buffers.update(self._copy_on_side_stream(device_pairs))
-            waiters += buffers.values()
+            for address, event_done in self._copy_on_side_stream(device_pairs).items():
+                waiters.append(event_done)
+                buffers[address] = lambda end, done=event_done: done()
         if host_pairs and background:
             helper = self._helper_thread()
             for dst, src in host_pairs:
-                future: Future[None] = helper.submit(_copy_all, [(dst, src)])
-                waiters.append(future.result)
-                buffers[dst.untyped_storage().data_ptr()] = future.result
+                pieces = [(start, helper.submit(_copy_all, [piece])) for start, piece in _pieces(dst, src)]
+                waiters += [future.result for _, future in pieces]
+                buffers[dst.untyped_storage().data_ptr()] = functools.partial(_wait_for_pieces, pieces)
         elif host_pairs:
             _copy_all(host_pairs)
         return CopyTicket(waiters, buffers)
@@ -366,6 +378,25 @@ def _release_tail(mapping: mmap.mmap, start: int) -> None:
     """Give the pages of ``mapping`` from ``start`` on back to the system (run after its faulting-in)."""
     if start < len(mapping):
         mapping.madvise(mmap.MADV_DONTNEED, start, len(mapping) - start)
+
+
+def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, CopyPair]]:
+    """``dst.copy_(src)`` as (first byte, pair) pieces of :data:`COPY_PIECE` bytes: a whole staged storage
+    (flat bytes, as :meth:`StagingPool._view_in_staged_storage` copies it) in pieces, anything else whole."""
+    flat = (dst.dtype == src.dtype == torch.uint8 and dst.dim() == src.dim() == 1 and dst.is_contiguous()
+            and src.is_contiguous() and dst.numel() == src.numel())
+    if not flat or dst.numel() <= COPY_PIECE:
+        return [(0, (dst, src))]
+    return [(start, (dst[start:start + COPY_PIECE], src[start:start + COPY_PIECE]))
+            for start in range(0, dst.numel(), COPY_PIECE)]
+
+
+def _wait_for_pieces(pieces: list[tuple[int, Future[None]]], end: int | None) -> None:
+    """Wait for the pieces of one buffer's copy that hold bytes before ``end`` (all of them for ``None``)."""
+    for start, future in pieces:
+        if end is not None and start >= end:
+            return
+        future.result()
 
 
 def _copy_all(pairs: list[CopyPair]) -> None:

@@ -47,13 +47,13 @@ class _CopyWait:
         self._thread = threading.current_thread()
         self.waited_s = 0.0
 
-    def __call__(self, address: int) -> None:
-        self._timed(self._ticket.wait_for, address)
+    def __call__(self, address: int, end: int | None = None) -> None:
+        self._timed(self._ticket.wait_for, address, end)
 
     def all(self) -> None:
         self._timed(self._ticket.wait)
 
-    def _timed(self, wait: Callable[..., None], *args: int) -> None:
+    def _timed(self, wait: Callable[..., None], *args: int | None) -> None:
         started = time.perf_counter()
         wait(*args)
         if threading.current_thread() is self._thread:

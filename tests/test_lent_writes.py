@@ -198,7 +198,7 @@ class _CopyOnDemand:
         self.sink_size = sink_size
         self._lock = threading.Lock()  # the writer and the I/O threads writing ahead ask at once
 
-    def __call__(self, address: int) -> None:
+    def __call__(self, address: int, end: int | None = None) -> None:
         with self._lock:
             if address in self.pairs and address not in self.asked:
                 self.asked.append(address)
@@ -278,6 +278,73 @@ def test_background_copies_complete_buffer_by_buffer(monkeypatch):
     pool.close()
 
 
+def test_a_large_buffer_is_ready_piece_by_piece_as_its_copy_goes(monkeypatch):
+    """The first piece of a buffer is ready while the copy of its later pieces is still held back."""
+    monkeypatch.setattr(staging, "COPY_PIECE", MiB)
+    release = threading.Event()
+    copy_all = staging._copy_all
+    pool = StagingPool()
+    state, staged = _deferred_snapshot(pool)
+    flat = next(dst for dst, _ in staged.deferred if dst.numel() > 3 * MiB)  # "flat": 4 pieces
+    address = flat.untyped_storage().data_ptr()
+
+    def held_back(pairs):
+        dst = pairs[0][0]
+        if dst.data_ptr() != address:  # every piece but the first of "flat", and every other buffer
+            assert release.wait(30)
+        copy_all(pairs)
+
+    monkeypatch.setattr(staging, "_copy_all", held_back)
+    ticket = pool.copy(staged.deferred, background=True)
+    ticket.wait_for(address, MiB)
+    source = dict((d.untyped_storage().data_ptr(), s) for d, s in staged.deferred)[address]
+    assert torch.equal(flat[:MiB], source[:MiB]) and not torch.equal(flat[MiB:], source[MiB:])
+    release.set()
+    ticket.wait_for(address)
+    assert torch.equal(flat, source)
+    ticket.wait()
+    assert torch.equal(staged.obj["flat"], state["flat"])
+    pool.close()
+
+
+def test_a_write_ahead_writes_each_piece_once_its_own_bytes_are_there(direct_root):
+    """The first 32 MiB piece of a buffer written ahead reaches the file while the next piece still waits."""
+    payload = os.urandom(2 * 32 * MiB)
+    memory = mmap.mmap(-1, len(payload))
+    memory[:] = payload
+    rest_copied, asked = threading.Event(), []
+    path = direct_root / "pieces.bin"
+    fd = _open_direct(str(path))
+    writer = DirectWriter(fd, buffer_bytes=1 * MiB)
+
+    def ready(end):
+        asked.append(end)
+        if end > 32 * MiB:
+            assert rest_copied.wait(60)
+
+    try:
+        with memoryview(memory) as view:
+            writer.write_ahead(view, 0, ready=ready)
+            with open(path, "rb") as reader:
+                for _ in range(300):
+                    if reader.read(32 * MiB) == payload[:32 * MiB]:
+                        break
+                    reader.seek(0)
+                    threading.Event().wait(0.1)
+                else:
+                    pytest.fail("the first piece was not written while the second waited for its copy")
+            assert os.path.getsize(path) == 32 * MiB  # the second piece is not there yet
+            rest_copied.set()
+            writer.write_borrowed(view)  # the stream reaches the buffer where it was written ahead
+            writer.finish()
+    finally:
+        rest_copied.set()
+        writer.release()
+        os.close(fd)
+    assert sorted(asked) == [32 * MiB, 64 * MiB]
+    assert path.read_bytes() == payload
+
+
 def test_writes_ahead_waiting_for_their_copy_do_not_hold_up_the_stream(direct_root):
     """Two chunks written ahead wait for a copy that has not run: the stream's own writes still go out."""
     payload = os.urandom(2 * 32 * MiB + 5000)  # more chunks than the writer has I/O threads
@@ -290,7 +357,7 @@ def test_writes_ahead_waiting_for_their_copy_do_not_hold_up_the_stream(direct_ro
     stream = os.urandom(3 * MiB + 17)
     try:
         with memoryview(memory) as view:
-            writer.write_ahead(view[:len(payload)], 64 * MiB, ready=lambda: copied.wait(60))
+            writer.write_ahead(view[:len(payload)], 64 * MiB, ready=lambda end: copied.wait(60))
             streaming = threading.Thread(target=writer.write, args=(stream,))
             streaming.start()
             streaming.join(30)  # three 1 MiB bounce buffers: each waits for the write of the one before

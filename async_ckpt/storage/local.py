@@ -50,9 +50,9 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
         written += os.pwrite(fd, view[written:], offset + written)
 
 
-def _write_when_ready(ready: Callable[[], None] | None, fd: int, view: memoryview, offset: int) -> None:
+def _write_when_ready(ready: Callable[[int], None] | None, end: int, fd: int, view: memoryview, offset: int) -> None:
     if ready is not None:
-        ready()
+        ready(end)
     _write_all(fd, view, offset)
 
 
@@ -123,10 +123,12 @@ class DirectWriter:
                 self._flush_buffer()
         return total
 
-    def write_ahead(self, data: object, offset: int, *, ready: Callable[[], None] | None = None) -> None:
+    def write_ahead(self, data: object, offset: int, *, ready: Callable[[int], None] | None = None) -> None:
         """Start writing a lent buffer at the file offset it is expected at, before the stream reaches it;
-        with ``ready`` (it returns once the buffer holds its bytes), on I/O threads of their own that call
-        it first, so that the stream's writes never queue behind a write ahead still waiting for its bytes.
+        with ``ready`` (``ready(end)`` returns once the buffer holds its bytes up to ``end``), on I/O
+        threads of their own that call it before each piece they write, so that a piece is written as
+        soon as its own bytes are there and the stream's writes never queue behind a write ahead still
+        waiting for its bytes.
 
         If :meth:`write_borrowed` later hands over the same memory at the same offset, it is already
         written or on its way. If not, the bytes written ahead are overwritten: every later write
@@ -140,7 +142,8 @@ class DirectWriter:
         if ready is not None and self._ahead_io is None:
             self._ahead_io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="async_ckpt-direct-ahead")
         io = self._io if ready is None else self._ahead_io
-        writes = [io.submit(_write_when_ready, ready, self._fd, middle[i:i + _CHUNK], offset + head + i)  # type: ignore[union-attr]
+        writes = [io.submit(_write_when_ready, ready, head + min(i + _CHUNK, body), self._fd,  # type: ignore[union-attr]
+                            middle[i:i + _CHUNK], offset + head + i)
                   for i in range(0, body, _CHUNK)]
         self._writes += writes
         self._ahead.append((offset + head, body, _address(middle), writes))
