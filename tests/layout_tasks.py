@@ -180,6 +180,33 @@ def pipeline_run(root: str, stage: int, s3_url: str | None = None, options: dict
     return out
 
 
+def _tp_pp_engine(seed: int) -> Any:
+    """The pipeline above over 2 stages x 2 tensor-parallel ranks (DeepSpeed's TPxPP checkpoint test's
+    topology: plain Linear layers are replicated, not sharded, across the TP ranks; the grid, the file
+    names and the PP-major mp_rank numbering are DeepSpeed's)."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    torch.manual_seed(seed)
+    layers: list[Any] = [LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_HIDDEN)]
+    for _ in range(4):
+        layers += [LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_HIDDEN, bias=False), torch.nn.ReLU()]
+    layers.append(LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_CLASSES))
+    model = PipelineModule(layers=layers, topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+                           loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform")
+    config = {**_ds_config(1), "train_batch_size": 4, "pipeline": {"activation_checkpoint_interval": 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    return engine
+
+
+def tp_pp_run(root: str, s3_url: str, options: dict) -> dict:
+    """2 pipeline stages x 2 tensor-parallel ranks on 4 ranks, ZeRO-1 fp32; also saved to and resumed from S3."""
+    out, engine = _layout_run(_tp_pp_engine, _pipe_step, root, "tp_pp", s3=(s3_url, options))
+    out.update(stage_id=engine.stage_id, mp_rank=engine.checkpoint_mp_rank)
+    return out
+
+
 # ---- AutoTP -------------------------------------------------------------------------------------
 
 TP_VOCAB, TP_SEQ = 64, 16

@@ -140,6 +140,22 @@ def frozen(layout_ranks, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def four_ranks():
+    group = Ranks(4)
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="module")
+def tp_pp(four_ranks, s3, tmp_path_factory):
+    """2 pipeline stages x 2 tensor-parallel ranks on 4 ranks, ZeRO-1 fp32; also on S3."""
+    root = tmp_path_factory.mktemp("tp-pp")
+    url = f"s3://{s3.make_bucket('layouts-tp-pp')}/run"
+    out = four_ranks.run(layout_tasks.tp_pp_run, str(root), url, options(s3.endpoint), timeout_s=600)
+    return {"root": root, "url": url, "ranks": out}
+
+
+@pytest.fixture(scope="module")
 def one_rank():
     group = Ranks(1)
     yield group
@@ -198,7 +214,7 @@ def autoep_zero3_universal(autoep_zero3, one_rank):
 
 #: In this order, the module needs one restart of its ranks (see LayoutRanks).
 LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "offload_zero2", "offload_zero3", "frozen", "autotp",
-           "pipeline", "pipeline_zero0"]
+           "pipeline", "pipeline_zero0", "tp_pp"]
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -296,6 +312,33 @@ def test_pipeline_resume_from_s3_fetches_the_layer_files_and_takes_the_same_step
         assert {f"layer_{i:02d}-model_states.pt" for i in range(10)} <= set(resumed["fetched"])
         assert resumed["loss"] == out["reference"]["loss"]
         assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
+
+
+# ---- TP x PP on 4 ranks ------------------------------------------------------------------------
+
+def test_tp_pp_numbers_model_parallel_files_pipeline_major_as_deepspeed_does(tp_pp):
+    assert sorted((o["stage_id"], o["mp_rank"]) for o in tp_pp["ranks"]) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    names = _files(tp_pp["root"] / "async" / TAG)
+    assert {f"mp_rank_{r:02d}_model_states.pt" for r in range(4)} <= names
+    assert {n for n in names if n.endswith("_optim_states.pt")} == {
+        f"zero_pp_rank_0_mp_rank_{r:02d}_optim_states.pt" for r in range(4)}
+
+
+def test_tp_pp_resume_from_s3_takes_the_same_step(tp_pp):
+    for rank, out in enumerate(tp_pp["ranks"]):
+        resumed = out["resumed_s3"]
+        assert resumed["tag"] == TAG and resumed["loss"] == out["reference"]["loss"]
+        assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
+
+
+def test_tp_pp_universal_conversion_equals_deepspeeds_own_conversion_bitwise(tp_pp):
+    root = tp_pp["root"]
+    assert cli(["to-universal", str(root / "async"), "--out", str(root / "async"), "--json", "--workers", "1"]) == 0
+    _stock_universal(root)
+    stock_dir, our_dir = root / "stock" / f"{TAG}_universal", root / "async" / f"{TAG}_universal"
+    stock = {n for n in _files(stock_dir) if n.endswith(".pt")}
+    assert any(n.startswith("zero/") for n in stock) and {n for n in _files(our_dir) if n.endswith(".pt")} == stock
+    assert [n for n in sorted(stock) if _differences(_load(stock_dir / n), _load(our_dir / n))] == []
 
 
 # ---- AutoTP -----------------------------------------------------------------------------------
