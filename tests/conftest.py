@@ -60,11 +60,16 @@ class Ranks:
             self._group.close()
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    group = Ranks(2)
+def rank_group(world_size: int):
+    """A group of ``world_size`` ranks, closed when the fixture that yields from this ends."""
+    group = Ranks(world_size)
     yield group
     group.close()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    yield from rank_group(2)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from async_ckpt.cli import main
 from async_ckpt.pull import pull
 from async_ckpt.resume import resolve
 from async_ckpt.storage.s3 import S3Storage
-from conftest import Ranks
+from conftest import rank_group
 from s3_server import options
 
 
@@ -72,9 +72,7 @@ def converted(request, ranks, s3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    group = Ranks(1)
-    yield group
-    group.close()
+    yield from rank_group(1)
 
 
 def _consolidated(root) -> dict[str, torch.Tensor]:

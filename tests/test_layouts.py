@@ -20,7 +20,7 @@ import sys
 import layout_tasks
 import pytest
 import torch
-from conftest import Ranks
+from conftest import Ranks, rank_group
 from s3_server import options
 
 from async_ckpt.cli import main as cli
@@ -142,9 +142,7 @@ def frozen(layout_ranks, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    group = Ranks(4)
-    yield group
-    group.close()
+    yield from rank_group(4)
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +156,7 @@ def tp_pp(four_ranks, s3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    group = Ranks(1)
-    yield group
-    group.close()
+    yield from rank_group(1)
 
 
 def _stock_universal(root, *, check: bool = True) -> subprocess.CompletedProcess:
