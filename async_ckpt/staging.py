@@ -344,9 +344,12 @@ class StagingPool:
                 setattr(dst, name, self._copy_tree(value, slot_key, counter, memo, pairs, f"{path}.{name}"))
             return dst
         if isinstance(obj, dict):
+            items = {key: self._copy_tree(value, slot_key, counter, memo, pairs, f"{path}.{key}")
+                     for key, value in obj.items()}
+            if memo.compact:  # as DeepSpeed's clone rebuilds it: no attributes (a state dict's _metadata)
+                return type(obj)(items)
             out = copy.copy(obj)
-            for key, value in obj.items():
-                out[key] = self._copy_tree(value, slot_key, counter, memo, pairs, f"{path}.{key}")
+            out.update(items)
             return out
         if isinstance(obj, (list, tuple)):
             items = [self._copy_tree(v, slot_key, counter, memo, pairs, f"{path}[{i}]") for i, v in enumerate(obj)]

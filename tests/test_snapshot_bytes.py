@@ -91,6 +91,16 @@ def test_compact_snapshot_equals_deepspeeds_clone_before_save(tmp_path):
     assert _write(tmp_path, "ours", staged.obj) == (tmp_path / "stock" / "mp_rank_00_model_states.pt").read_bytes()
 
 
+def test_compact_snapshot_of_a_state_dict_drops_its_metadata_as_deepspeeds_clone_does(tmp_path):
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    module_state = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).state_dict()  # has _metadata
+    (tmp_path / "stock").mkdir()
+    torch.save(clone_tensors_for_torch_save(module_state), tmp_path / "stock" / "mp_rank_00_model_states.pt")
+    staged = StagingPool().snapshot(module_state, "m.pt", slot_key="module", defer=False, compact=True)
+    assert _write(tmp_path, "ours", staged.obj) == (tmp_path / "stock" / "mp_rank_00_model_states.pt").read_bytes()
+
+
 def test_compact_snapshot_stages_only_the_tensors_not_their_flat_buffers():
     staged = StagingPool().snapshot(_layer_state(), "m.pt", slot_key="layer", defer=False, compact=True)
     assert staged.nbytes == (16 + 16 + 4 + 16 + 2) * 4 + 8
