@@ -109,6 +109,12 @@ class _Memo:
     compact: bool = False
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     storages: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Containers and values already copied, by identity: one object met twice (an optimizer's
+    #: ``betas`` tuple shared by its parameter groups) stays one object, which torch.save's pickler
+    #: writes once and then refers to, as in DeepSpeed's own file. DeepSpeed's clone rebuilds every
+    #: container, so ``compact`` snapshots do not share containers.
+    containers: dict[int, Any] = field(default_factory=dict)
+    values: dict[int, Any] = field(default_factory=dict)
 
 
 class StagingPool:
@@ -343,6 +349,21 @@ class StagingPool:
             for name, value in vars(obj).items():  # e.g. ZeRO-3's ds_id on flat groups; torch.save writes them
                 setattr(dst, name, self._copy_tree(value, slot_key, counter, memo, pairs, f"{path}.{name}"))
             return dst
+        if isinstance(obj, (dict, list, tuple)):
+            if not memo.compact and id(obj) in memo.containers:
+                return memo.containers[id(obj)]
+            out = self._copy_container(obj, slot_key, counter, memo, pairs, path)
+            if not memo.compact:
+                memo.containers[id(obj)] = out
+            return out
+        try:
+            return copy.deepcopy(obj, memo.values)
+        except Exception as exc:
+            raise UsageError(f"cannot snapshot {path or 'value'} of type {type(obj).__name__}: {exc}; "
+                             "client_state values must be copyable (picklable)") from exc
+
+    def _copy_container(self, obj: dict | list | tuple, slot_key: str, counter: Any, memo: _Memo,
+                        pairs: list[CopyPair], path: str) -> Any:
         if isinstance(obj, dict):
             items = {key: self._copy_tree(value, slot_key, counter, memo, pairs, f"{path}.{key}")
                      for key, value in obj.items()}
@@ -351,18 +372,12 @@ class StagingPool:
             out = copy.copy(obj)
             out.update(items)
             return out
-        if isinstance(obj, (list, tuple)):
-            items = [self._copy_tree(v, slot_key, counter, memo, pairs, f"{path}[{i}]") for i, v in enumerate(obj)]
-            if isinstance(obj, list):
-                return type(obj)(items) if type(obj) is not list and not memo.compact else items
-            if memo.compact:
-                return tuple(items)  # as DeepSpeed's clone rebuilds tuples
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        try:
-            return copy.deepcopy(obj)
-        except Exception as exc:
-            raise UsageError(f"cannot snapshot {path or 'value'} of type {type(obj).__name__}: {exc}; "
-                             "client_state values must be copyable (picklable)") from exc
+        elements = [self._copy_tree(v, slot_key, counter, memo, pairs, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, list):
+            return type(obj)(elements) if type(obj) is not list and not memo.compact else elements
+        if memo.compact:
+            return tuple(elements)  # as DeepSpeed's clone rebuilds tuples
+        return type(obj)(*elements) if hasattr(obj, "_fields") else type(obj)(elements)
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without writing them

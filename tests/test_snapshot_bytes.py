@@ -14,7 +14,9 @@ from async_ckpt.storage import LocalStorage
 
 def _deepspeed_like_state() -> dict:
     """The tensor shapes DeepSpeed hands over: views of one flat buffer, empty ZeRO-3 placeholders,
-    a flat group carrying a ``ds_id`` attribute, a Parameter, the same tensor twice."""
+    a flat group carrying a ``ds_id`` attribute, a Parameter, the same tensor twice; and parameter groups
+    sharing one ``betas`` tuple (torch.save pickles it once), as MoE's split groups do."""
+    betas = (0.9, 0.999)
     flat = torch.arange(64, dtype=torch.float32)
     group = torch.ones(8, requires_grad=True)
     group.ds_id = "0_27"
@@ -22,7 +24,8 @@ def _deepspeed_like_state() -> dict:
     return {
         "module": {"w": weight, "b": flat[24:28], "tied": weight, "placeholder": torch.empty(0)},
         "optimizer": {"fp32_flat_groups": [group], "master": torch.nn.Parameter(torch.zeros(5)),
-                      "step": torch.tensor(3), "bf16": torch.zeros(6, dtype=torch.bfloat16)},
+                      "step": torch.tensor(3), "bf16": torch.zeros(6, dtype=torch.bfloat16),
+                      "param_groups": [{"betas": betas, "params": [0]}, {"betas": betas, "params": [1]}]},
         "global_steps": 3,
     }
 
