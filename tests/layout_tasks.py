@@ -81,9 +81,30 @@ def _resume(build: Build, step: Step, url: str, *, options: dict | None = None, 
             "loss": step(engine), "state": state(engine)}
 
 
+def _stream_save(engine: Any, root: str, client_state: dict, exclude_frozen: bool) -> None:
+    """DeepSpeed's save through a checkpoint engine that serializes as its FastPersist engine does,
+    ``torch.save`` into a stream (here a plain file object). DeepSpeed's own FastPersist engine cannot be
+    used for these layouts: in 0.19.8 its writer set-up raises for MoE (a NameError) and for AutoTP (the
+    mpu has no pipeline functions)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class StreamCheckpointEngine(TorchCheckpointEngine):
+        def save(self, state_dict: Any, path: str) -> None:
+            with open(path, "wb") as stream:
+                torch.save(state_dict, stream)
+
+    stock, engine.checkpoint_engine = engine.checkpoint_engine, StreamCheckpointEngine()
+    try:
+        type(engine).save_checkpoint(engine, root, tag=TAG, client_state=dict(client_state),
+                                     exclude_frozen_parameters=exclude_frozen)
+    finally:
+        engine.checkpoint_engine = stock
+
+
 def _layout_run(build: Build, step: Step, root: str, layout: str, *, s3: tuple[str, dict] | None = None,
                 exclude_frozen: bool = False, at_save: Callable[[Any], dict] | None = None) -> tuple[dict, Any]:
-    """Train, save stock and async (and to ``s3``), take the reference step, resume (from disk and ``s3``).
+    """Train, save stock, async and as FastPersist serializes (and async to ``s3``), take the reference
+    step, resume (from disk and ``s3``).
 
     ``at_save(engine)`` adds facts about the saved state (called on every rank before the next step)."""
     started = time.perf_counter()
@@ -94,6 +115,7 @@ def _layout_run(build: Build, step: Step, root: str, layout: str, *, s3: tuple[s
     type(engine).save_checkpoint(engine, f"{root}/stock", tag=TAG, client_state=dict(client_state),
                                  exclude_frozen_parameters=exclude_frozen)
     out = _save_async(engine, f"{root}/async", None, client_state, exclude_frozen)
+    _stream_save(engine, f"{root}/fast", client_state, exclude_frozen)
     if s3 is not None:
         _save_async(engine, s3[0], s3[1], client_state, exclude_frozen)
     out["saved"] = state(engine)
@@ -145,8 +167,9 @@ def _ds_config(stage: int) -> dict:
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
 
 
-def _pipe_engine(seed: int, stage: int = 1) -> Any:
-    """DeepSpeed's LinearStackPipe, smaller: Linear, 4 x (Linear, ReLU), Linear, over 2 stages."""
+def _pipe_engine(seed: int, stage: int = 1, *, num_stages: int = 2, load_universal: bool = False) -> Any:
+    """DeepSpeed's LinearStackPipe, smaller: Linear, 4 x (Linear, ReLU), Linear, over 2 stages (or
+    ``num_stages``)."""
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -155,8 +178,10 @@ def _pipe_engine(seed: int, stage: int = 1) -> Any:
     for _ in range(4):
         layers += [LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_HIDDEN, bias=False), torch.nn.ReLU()]
     layers.append(LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_CLASSES))
-    model = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform")
-    config = {**_ds_config(stage), "train_batch_size": 4, "pipeline": {"activation_checkpoint_interval": 0}}
+    model = PipelineModule(layers=layers, num_stages=num_stages, loss_fn=torch.nn.CrossEntropyLoss(),
+                           partition_method="uniform")
+    config = {**_ds_config(stage), "train_batch_size": 4, "pipeline": {"activation_checkpoint_interval": 0},
+              "checkpoint": {"load_universal": load_universal}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     return engine
 
@@ -178,6 +203,11 @@ def pipeline_run(root: str, stage: int, s3_url: str | None = None, options: dict
                               s3=(s3_url, options) if s3_url else None)
     out.update(stage_id=engine.stage_id, mp_world_size=engine.mp_world_size, mp_rank=engine.checkpoint_mp_rank)
     return out
+
+
+def pipeline_universal(sources: list[tuple[str, dict | None, bool]]) -> dict:
+    """One stage on one rank: load each universal conversion of the 2-stage checkpoint, one step."""
+    return _universal_resume(lambda seed: _pipe_engine(seed, num_stages=1, load_universal=True), _pipe_step, sources)
 
 
 def _tp_pp_engine(seed: int) -> Any:

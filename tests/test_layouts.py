@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import zipfile
 
 import layout_tasks
 import pytest
@@ -230,6 +231,18 @@ def autoep_zero3_universal(autoep_zero3, one_rank):
     return {name: out[0][src[0]] for name, src in sources.items()}
 
 
+@pytest.fixture(scope="module")
+def pipeline_universal(pipeline, one_rank):
+    """The 2-stage ZeRO-1 checkpoint converted by `async-ckpt to-universal` (and by DeepSpeed from the stock
+    copy), each loaded on one rank as a single stage."""
+    root = pipeline["root"]
+    assert _our_universal(root) == 0
+    _stock_universal(root)
+    sources = {"local": (str(root / "async"), None, True), "stock": (str(root / "stock"), None, False)}
+    out = one_rank.run(layout_tasks.pipeline_universal, list(sources.values()), timeout_s=600)
+    return {"differences": _universal_file_differences(root), **{name: out[0][src[0]] for name, src in sources.items()}}
+
+
 #: In this order, the module needs one restart of its ranks (see LayoutRanks).
 LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "offload_zero2", "offload_zero3", "frozen", "autotp",
            "pipeline", "pipeline_zero0", "tp_pp"]
@@ -266,6 +279,19 @@ def _differences(a, b, path: str = "") -> list[str]:
     return [f"{path} ({a!r} != {b!r})"]
 
 
+def _first_record_difference(a, b) -> str:
+    """Which zip record of two torch.save files differs first, and the bytes around the difference."""
+    with zipfile.ZipFile(a) as za, zipfile.ZipFile(b) as zb:
+        if za.namelist() != zb.namelist():
+            return f"{a.name}: records {za.namelist()} != {zb.namelist()}"
+        for name in za.namelist():
+            x, y = za.read(name), zb.read(name)
+            if x != y:
+                at = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                return f"{a.name}/{name} at byte {at} of {len(x)} vs {len(y)}: {x[at - 60:at + 60]!r} != {y[at - 60:at + 60]!r}"
+    return f"{a.name}: same records, other zip bytes"
+
+
 def _files(folder) -> set[str]:
     return {os.path.relpath(os.path.join(d, n), folder) for d, _, names in os.walk(folder) for n in names}
 
@@ -297,6 +323,14 @@ def test_every_file_holds_stock_deepspeeds_tensors_bitwise(layout):
         if diff:
             differences[name] = diff[:5]
     assert differences == {}
+
+
+def test_every_file_is_byte_for_byte_what_fast_persist_serializes(layout):
+    """async_ckpt's default bytes are those of DeepSpeed's FastPersist engine: torch.save into a stream."""
+    fast_dir, our_dir = layout["root"] / "fast" / TAG, layout["root"] / "async" / TAG
+    names = sorted(n for n in _files(fast_dir) if n.endswith(".pt"))
+    assert names and [_first_record_difference(fast_dir / n, our_dir / n) for n in names
+                      if (fast_dir / n).read_bytes() != (our_dir / n).read_bytes()] == []
 
 
 def test_resume_on_a_fresh_engine_takes_the_same_next_step_bitwise(layout):
@@ -355,20 +389,35 @@ def test_tp_pp_universal_conversion_equals_deepspeeds_own_conversion_bitwise(tp_
     assert _universal_file_differences(tp_pp["root"]) == []
 
 
-@pytest.mark.parametrize("name,deepspeed_converts", [("pipeline", True), ("moe_zero0", False), ("moe_zero2", False)])
-def test_to_universal_gives_deepspeeds_own_conversion_or_its_own_refusal(request, name, deepspeed_converts, capsys):
-    """DeepSpeed 0.19 converts pipeline checkpoints; native MoE ones it cannot (ZeRO-0: its optimizer files
-    are not ZeRO's, a KeyError; ZeRO-2: a reshape error on an expert parameter), and to-universal fails
-    with DeepSpeed's own error."""
+@pytest.mark.parametrize("name", ["moe_zero0", "moe_zero2"])
+def test_to_universal_of_native_moe_fails_with_deepspeeds_own_error(request, name, capsys):
+    """DeepSpeed 0.19 cannot convert native MoE checkpoints (ZeRO-0: its optimizer files are not ZeRO's, a
+    KeyError; ZeRO-2: a reshape error on an expert parameter): to-universal fails with DeepSpeed's error."""
     root = request.getfixturevalue(name)["root"]
     stock = _stock_universal(root, check=False)
     code = _our_universal(root)
-    assert (stock.returncode == 0) == deepspeed_converts, stock.stderr[-2000:]
-    if stock.returncode != 0:  # the same error, up to the shapes of whichever parameter DeepSpeed met first
-        refusal = _without_numbers(stock.stderr.strip().splitlines()[-1])
-        assert code != 0 and refusal in _without_numbers(capsys.readouterr().err)
-    else:
-        assert code == 0 and _universal_file_differences(root) == []
+    assert stock.returncode != 0
+    refusal = _without_numbers(stock.stderr.strip().splitlines()[-1])  # up to the shapes of the parameter met first
+    assert code != 0 and refusal in _without_numbers(capsys.readouterr().err)
+
+
+def test_pipeline_universal_conversion_equals_deepspeeds_own_conversion_bitwise(pipeline_universal):
+    assert pipeline_universal["differences"] == []
+
+
+def test_pipeline_universal_on_one_stage_equals_deepspeeds_own_conversion_bitwise(pipeline_universal):
+    ours, stock = pipeline_universal["local"], pipeline_universal["stock"]
+    assert ours["tag"] == f"{TAG}_universal" and ours["world_size"] == 1
+    assert _state_differences(ours["loaded"], stock["loaded"]) == []
+    assert ours["loss"] == stock["loss"]
+    assert _state_differences(ours["state"], stock["state"]) == []
+
+
+def test_pipeline_universal_on_one_stage_holds_both_stages_weights(pipeline, pipeline_universal):
+    loaded = pipeline_universal["local"]["loaded"]
+    saved = {k: v for out in pipeline["ranks"] for k, v in out["saved"].items() if k.startswith("module/")}
+    assert len(saved) > 2 and saved.keys() <= loaded.keys()
+    assert [k for k in saved if not torch.equal(loaded[k], saved[k])] == []
 
 
 # ---- AutoTP -----------------------------------------------------------------------------------
