@@ -167,9 +167,10 @@ def _ds_config(stage: int) -> dict:
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
 
 
-def _pipe_engine(seed: int, stage: int = 1, *, num_stages: int = 2, load_universal: bool = False) -> Any:
+def _pipe_engine(seed: int, stage: int = 1, *, num_stages: int | None = 2, topology: Any = None,
+                 load_universal: bool = False) -> Any:
     """DeepSpeed's LinearStackPipe, smaller: Linear, 4 x (Linear, ReLU), Linear, over 2 stages (or
-    ``num_stages``)."""
+    ``num_stages``, or the stages of ``topology``)."""
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -178,8 +179,8 @@ def _pipe_engine(seed: int, stage: int = 1, *, num_stages: int = 2, load_univers
     for _ in range(4):
         layers += [LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_HIDDEN, bias=False), torch.nn.ReLU()]
     layers.append(LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_CLASSES))
-    model = PipelineModule(layers=layers, num_stages=num_stages, loss_fn=torch.nn.CrossEntropyLoss(),
-                           partition_method="uniform")
+    model = PipelineModule(layers=layers, num_stages=None if topology else num_stages, topology=topology,
+                           loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform")
     config = {**_ds_config(stage), "train_batch_size": 4, "pipeline": {"activation_checkpoint_interval": 0},
               "checkpoint": {"load_universal": load_universal}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
@@ -214,20 +215,9 @@ def _tp_pp_engine(seed: int) -> Any:
     """The pipeline above over 2 stages x 2 tensor-parallel ranks (DeepSpeed's TPxPP checkpoint test's
     topology: plain Linear layers are replicated, not sharded, across the TP ranks; the grid, the file
     names and the PP-major mp_rank numbering are DeepSpeed's)."""
-    import deepspeed
-    from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    torch.manual_seed(seed)
-    layers: list[Any] = [LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_HIDDEN)]
-    for _ in range(4):
-        layers += [LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_HIDDEN, bias=False), torch.nn.ReLU()]
-    layers.append(LayerSpec(torch.nn.Linear, PIPE_HIDDEN, PIPE_CLASSES))
-    model = PipelineModule(layers=layers, topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
-                           loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform")
-    config = {**_ds_config(1), "train_batch_size": 4, "pipeline": {"activation_checkpoint_interval": 0}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-    return engine
+    return _pipe_engine(seed, topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))
 
 
 def tp_pp_run(root: str, s3_url: str, options: dict) -> dict:

@@ -194,7 +194,7 @@ def autotp_universal(autotp, one_rank, s3):
     """The TP-2 checkpoint converted by `async-ckpt to-universal` on disk and on S3 (and by DeepSpeed from
     the stock copy), each loaded on one rank with TP 1."""
     root, url = autotp["root"], autotp["url"]
-    assert cli(["to-universal", str(root / "async"), "--out", str(root / "async"), "--json", "--workers", "1"]) == 0
+    assert _our_universal(root) == 0
     assert cli(["to-universal", url, "--endpoint", s3.endpoint, "--out", url, "--json", "--workers", "1"]) == 0
     _stock_universal(root)
     sources = {"local": (str(root / "async"), None, True), "s3": (url, options(s3.endpoint), True),
@@ -208,7 +208,7 @@ def autoep_universal(autoep, one_rank, s3):
     """The EP-2 ZeRO-1 checkpoint converted by `async-ckpt to-universal` on disk and on S3 (and by DeepSpeed
     from the stock copy), each loaded on one rank with AutoEP size 1."""
     root, url = autoep["root"], autoep["url"]
-    assert cli(["to-universal", str(root / "async"), "--out", str(root / "async"), "--json", "--workers", "1"]) == 0
+    assert _our_universal(root) == 0
     assert cli(["to-universal", url, "--endpoint", s3.endpoint, "--out", url, "--json", "--workers", "1"]) == 0
     _stock_universal(root)
     sources = {"local": (str(root / "async"), None, True), "s3": (url, options(s3.endpoint), True),
@@ -223,8 +223,7 @@ def autoep_zero3_universal(autoep_zero3, one_rank):
     copy: DeepSpeed converts AutoEP under ZeRO-3 too, while its zero_to_fp32 refuses it), each loaded on one
     rank with AutoEP size 1 under ZeRO-3."""
     root = autoep_zero3["root"]
-    assert cli(["to-universal", str(root / "async"), "--tag", TAG, "--out", str(root / "async"), "--json",
-                "--workers", "1"]) == 0
+    assert _our_universal(root) == 0
     _stock_universal(root)
     sources = {"local": (str(root / "async"), None, True), "stock": (str(root / "stock"), None, False)}
     out = one_rank.run(layout_tasks.autoep_universal, 3, list(sources.values()), timeout_s=600)
