@@ -232,7 +232,8 @@ def tp_pp_run(root: str, s3_url: str, options: dict) -> dict:
 TP_VOCAB, TP_SEQ = 64, 16
 
 
-def _tp_engine(seed: int, *, tp_size: int = 2, stage: int = 1, load_universal: bool = False) -> Any:
+def _tp_engine(seed: int, *, tp_size: int = 2, stage: int = 1, dtype: str = "fp32",
+               load_universal: bool = False) -> Any:
     """A tiny Llama (transformers), AutoTP-sharded when ``tp_size`` > 1."""
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -241,7 +242,8 @@ def _tp_engine(seed: int, *, tp_size: int = 2, stage: int = 1, load_universal: b
     model = LlamaForCausalLM(LlamaConfig(vocab_size=TP_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=TP_SEQ, tie_word_embeddings=False))
-    config = {**_ds_config(stage), "checkpoint": {"load_universal": load_universal}}
+    config = {**_ds_config(stage), "bf16": {"enabled": dtype == "bf16"},
+              "checkpoint": {"load_universal": load_universal}}
     if tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": tp_size}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -258,14 +260,16 @@ def _tp_step(engine: Any) -> float:
     return float(loss.item())
 
 
-def autotp_run(root: str, s3_url: str, options: dict) -> dict:
-    """AutoTP size 2 on 2 ranks (data parallel 1), ZeRO-1 fp32; saved to disk and S3. Then an engine
-    with the same world size but TP 1 (data parallel 2) tries ``ckpt.load()`` of it."""
+def autotp_run(root: str, stage: int, dtype: str, s3_url: str | None = None, options: dict | None = None) -> dict:
+    """AutoTP size 2 on 2 ranks (data parallel 1) under ZeRO ``stage`` in ``dtype``; also saved to S3 when
+    ``s3_url`` is given. Then an engine with the same world size but TP 1 (data parallel 2) tries
+    ``ckpt.load()`` of it."""
     from deepspeed.utils import groups
 
     # Built first: an engine built after an AutoTP engine in the same process inherits its device mesh.
-    other = _tp_engine(4321, tp_size=1)
-    out, engine = _layout_run(_tp_engine, _tp_step, root, "autotp", s3=(s3_url, options), at_save=_gathered)
+    other = _tp_engine(4321, tp_size=1, stage=stage, dtype=dtype)
+    out, engine = _layout_run(lambda seed: _tp_engine(seed, stage=stage, dtype=dtype), _tp_step, root, "autotp",
+                              s3=(s3_url, options) if s3_url else None, at_save=_gathered)
     out.update(tp_rank=groups.get_tensor_model_parallel_rank(), mp_rank=engine.checkpoint_mp_rank,
                dp_world_size=dist.get_world_size(group=engine.optimizer.dp_process_group))
     with async_ckpt.wrap(other, f"{root}/async") as ckpt:
@@ -274,14 +278,20 @@ def autotp_run(root: str, s3_url: str, options: dict) -> dict:
 
 
 def _gathered(engine: Any) -> dict:
-    """The saved weights un-sharded by AutoTP's own gather (a collective; rank 0 gets them)."""
-    full = engine._replace_module_consolidated_state_dict()
+    """The saved weights un-sharded by AutoTP's own gather (a collective; rank 0 gets them), inside ZeRO-3's
+    gather of its data-parallel partitions."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        full = engine._replace_module_consolidated_state_dict()
     return {"full_weights": {k: v.detach().cpu().clone() for k, v in (full or {}).items()}}
 
 
-def autotp_universal(sources: list[tuple[str, dict | None, bool]]) -> dict:
+def autotp_universal(stage: int, dtype: str, sources: list[tuple[str, dict | None, bool]]) -> dict:
     """TP 1 (one rank): load each universal conversion of the TP-2 checkpoint, one step."""
-    return _universal_resume(lambda seed: _tp_engine(seed, tp_size=1, load_universal=True), _tp_step, sources)
+    return _universal_resume(lambda seed: _tp_engine(seed, tp_size=1, stage=stage, dtype=dtype, load_universal=True),
+                             _tp_step, sources)
 
 
 # ---- native DeepSpeed MoE ----------------------------------------------------------------------

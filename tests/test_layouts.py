@@ -41,7 +41,7 @@ class LayoutRanks:
     groups. Data-parallel engines (MoE, AutoEP, offload, frozen) leave none: any run may follow them."""
 
     #: Layout families that leave process-wide parallel state behind.
-    POLLUTING = ("pipeline", "autotp")
+    POLLUTING = ("pipeline", "autotp", "autotp_zero2", "autotp_zero3")
 
     def __init__(self, ranks: Ranks) -> None:
         self.ranks, self.family = ranks, None
@@ -76,10 +76,27 @@ def pipeline_zero0(layout_ranks, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def autotp(layout_ranks, s3, tmp_path_factory):
+    """AutoTP size 2 on 2 ranks, ZeRO-1 fp32; also on S3."""
     root = tmp_path_factory.mktemp("autotp")
     url = f"s3://{s3.make_bucket('layouts-autotp')}/run"
-    out = layout_ranks.run("autotp", layout_tasks.autotp_run, str(root), url, options(s3.endpoint))
+    out = layout_ranks.run("autotp", layout_tasks.autotp_run, str(root), 1, "fp32", url, options(s3.endpoint))
     return {"root": root, "url": url, "ranks": out}
+
+
+@pytest.fixture(scope="module")
+def autotp_zero2(layout_ranks, tmp_path_factory):
+    """AutoTP size 2 on 2 ranks, ZeRO-2 fp32."""
+    root = tmp_path_factory.mktemp("autotp-zero2")
+    out = layout_ranks.run("autotp_zero2", layout_tasks.autotp_run, str(root), 2, "fp32")
+    return {"root": root, "ranks": out}
+
+
+@pytest.fixture(scope="module")
+def autotp_zero3(layout_ranks, tmp_path_factory):
+    """AutoTP size 2 on 2 ranks, ZeRO-3 bf16."""
+    root = tmp_path_factory.mktemp("autotp-zero3")
+    out = layout_ranks.run("autotp_zero3", layout_tasks.autotp_run, str(root), 3, "bf16")
+    return {"root": root, "ranks": out}
 
 
 @pytest.fixture(scope="module")
@@ -189,62 +206,65 @@ def _universal_file_differences(root) -> list[str]:
                                                                                   _load(our_dir / n))]
 
 
+def _universal(layout: dict, one_rank, task, *args, s3=None) -> dict:
+    """The layout's checkpoint converted by `async-ckpt to-universal` (on disk, and on S3 when ``s3`` is
+    given) and by DeepSpeed from the stock copy, each loaded on one rank by ``task(*args, sources)``:
+    ``{"local" | "s3" | "stock": that load}``."""
+    root = layout["root"]
+    assert _our_universal(root) == 0
+    sources = {"local": (str(root / "async"), None, True)}
+    if s3 is not None:
+        url = layout["url"]
+        assert cli(["to-universal", url, "--endpoint", s3.endpoint, "--out", url, "--json", "--workers", "1"]) == 0
+        sources["s3"] = (url, options(s3.endpoint), True)
+    _stock_universal(root)
+    sources["stock"] = (str(root / "stock"), None, False)
+    out = one_rank.run(task, *args, list(sources.values()), timeout_s=600)
+    return {name: out[0][src[0]] for name, src in sources.items()}
+
+
 @pytest.fixture(scope="module")
 def autotp_universal(autotp, one_rank, s3):
-    """The TP-2 checkpoint converted by `async-ckpt to-universal` on disk and on S3 (and by DeepSpeed from
-    the stock copy), each loaded on one rank with TP 1."""
-    root, url = autotp["root"], autotp["url"]
-    assert _our_universal(root) == 0
-    assert cli(["to-universal", url, "--endpoint", s3.endpoint, "--out", url, "--json", "--workers", "1"]) == 0
-    _stock_universal(root)
-    sources = {"local": (str(root / "async"), None, True), "s3": (url, options(s3.endpoint), True),
-               "stock": (str(root / "stock"), None, False)}
-    out = one_rank.run(layout_tasks.autotp_universal, list(sources.values()), timeout_s=600)
-    return {name: out[0][src[0]] for name, src in sources.items()}
+    """The TP-2 ZeRO-1 checkpoint, on disk and on S3, loaded on one rank with TP 1."""
+    return _universal(autotp, one_rank, layout_tasks.autotp_universal, 1, "fp32", s3=s3)
+
+
+@pytest.fixture(scope="module")
+def autotp_zero2_universal(autotp_zero2, one_rank):
+    """The TP-2 ZeRO-2 checkpoint loaded on one rank with TP 1 under ZeRO-2."""
+    return _universal(autotp_zero2, one_rank, layout_tasks.autotp_universal, 2, "fp32")
+
+
+@pytest.fixture(scope="module")
+def autotp_zero3_universal(autotp_zero3, one_rank):
+    """The TP-2 ZeRO-3 bf16 checkpoint loaded on one rank with TP 1 under ZeRO-3."""
+    return _universal(autotp_zero3, one_rank, layout_tasks.autotp_universal, 3, "bf16")
 
 
 @pytest.fixture(scope="module")
 def autoep_universal(autoep, one_rank, s3):
-    """The EP-2 ZeRO-1 checkpoint converted by `async-ckpt to-universal` on disk and on S3 (and by DeepSpeed
-    from the stock copy), each loaded on one rank with AutoEP size 1."""
-    root, url = autoep["root"], autoep["url"]
-    assert _our_universal(root) == 0
-    assert cli(["to-universal", url, "--endpoint", s3.endpoint, "--out", url, "--json", "--workers", "1"]) == 0
-    _stock_universal(root)
-    sources = {"local": (str(root / "async"), None, True), "s3": (url, options(s3.endpoint), True),
-               "stock": (str(root / "stock"), None, False)}
-    out = one_rank.run(layout_tasks.autoep_universal, 1, list(sources.values()), timeout_s=600)
-    return {name: out[0][src[0]] for name, src in sources.items()}
+    """The EP-2 ZeRO-1 checkpoint, on disk and on S3, loaded on one rank with AutoEP size 1."""
+    return _universal(autoep, one_rank, layout_tasks.autoep_universal, 1, s3=s3)
 
 
 @pytest.fixture(scope="module")
 def autoep_zero3_universal(autoep_zero3, one_rank):
-    """The EP-2 ZeRO-3 checkpoint converted by `async-ckpt to-universal` (and by DeepSpeed from the stock
-    copy: DeepSpeed converts AutoEP under ZeRO-3 too, while its zero_to_fp32 refuses it), each loaded on one
-    rank with AutoEP size 1 under ZeRO-3."""
-    root = autoep_zero3["root"]
-    assert _our_universal(root) == 0
-    _stock_universal(root)
-    sources = {"local": (str(root / "async"), None, True), "stock": (str(root / "stock"), None, False)}
-    out = one_rank.run(layout_tasks.autoep_universal, 3, list(sources.values()), timeout_s=600)
-    return {name: out[0][src[0]] for name, src in sources.items()}
+    """The EP-2 ZeRO-3 checkpoint loaded on one rank with AutoEP size 1 under ZeRO-3 (DeepSpeed converts
+    AutoEP under ZeRO-3 too, while its zero_to_fp32 refuses it)."""
+    return _universal(autoep_zero3, one_rank, layout_tasks.autoep_universal, 3)
 
 
 @pytest.fixture(scope="module")
 def pipeline_universal(pipeline, one_rank):
-    """The 2-stage ZeRO-1 checkpoint converted by `async-ckpt to-universal` (and by DeepSpeed from the stock
-    copy), each loaded on one rank as a single stage."""
-    root = pipeline["root"]
-    assert _our_universal(root) == 0
-    _stock_universal(root)
-    sources = {"local": (str(root / "async"), None, True), "stock": (str(root / "stock"), None, False)}
-    out = one_rank.run(layout_tasks.pipeline_universal, list(sources.values()), timeout_s=600)
-    return {"differences": _universal_file_differences(root), **{name: out[0][src[0]] for name, src in sources.items()}}
+    """The 2-stage ZeRO-1 checkpoint loaded on one rank as a single stage; and where the two conversions'
+    files differ."""
+    loads = _universal(pipeline, one_rank, layout_tasks.pipeline_universal)
+    return {"differences": _universal_file_differences(pipeline["root"]), **loads}
 
 
-#: In this order, the module needs one restart of its ranks (see LayoutRanks).
+#: In this order, the module restarts its ranks only after each AutoTP run (see LayoutRanks).
 LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "offload_zero2", "offload_zero3", "frozen", "autotp",
-           "pipeline", "pipeline_zero0", "tp_pp"]
+           "autotp_zero2", "autotp_zero3", "pipeline", "pipeline_zero0", "tp_pp"]
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -421,11 +441,22 @@ def test_pipeline_universal_on_one_stage_holds_both_stages_weights(pipeline, pip
 
 # ---- AutoTP -----------------------------------------------------------------------------------
 
-def test_autotp_saves_one_model_and_optimizer_file_per_tensor_parallel_rank(autotp):
-    assert [(o["tp_rank"], o["mp_rank"], o["dp_world_size"]) for o in autotp["ranks"]] == [(0, 0, 1), (1, 1, 1)]
-    pt_files = {n for n in _files(autotp["root"] / "async" / TAG) if n.endswith(".pt")}
-    assert pt_files == {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
-                        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"}
+AUTOTP_LAYOUTS = ["autotp", "autotp_zero2", "autotp_zero3"]
+
+
+@pytest.mark.parametrize("name,files", [
+    ("autotp", {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"}),
+    ("autotp_zero2", {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                      "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"}),
+    ("autotp_zero3", {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_01_model_states.pt",
+                      "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                      "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"}),
+])
+def test_autotp_saves_one_model_and_optimizer_file_per_tensor_parallel_rank(request, name, files):
+    run = request.getfixturevalue(name)
+    assert [(o["tp_rank"], o["mp_rank"], o["dp_world_size"]) for o in run["ranks"]] == [(0, 0, 1), (1, 1, 1)]
+    assert {n for n in _files(run["root"] / "async" / TAG) if n.endswith(".pt")} == files
 
 
 def test_autotp_resume_from_s3_fetches_only_its_own_optimizer_shard(autotp):
@@ -437,25 +468,29 @@ def test_autotp_resume_from_s3_fetches_only_its_own_optimizer_shard(autotp):
         assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
 
 
-def test_autotp_checkpoint_on_the_same_world_size_with_another_tp_size_is_refused_naming_the_fix(autotp):
-    for out in autotp["ranks"]:
+@pytest.mark.parametrize("name", AUTOTP_LAYOUTS)
+def test_autotp_checkpoint_on_the_same_world_size_with_another_tp_size_is_refused_naming_the_fix(request, name):
+    for out in request.getfixturevalue(name)["ranks"]:
         kind, message = out["load_on_tp1"]
         assert kind == "UsageError"
         assert "2 model-parallel" in message and "this job has 1" in message and "to-universal" in message
 
 
-@pytest.mark.parametrize("source", ["local", "s3"])
-def test_autotp_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(autotp_universal, source):
-    ours, stock = autotp_universal[source], autotp_universal["stock"]
+@pytest.mark.parametrize("name,source", [("autotp", "local"), ("autotp", "s3"), ("autotp_zero2", "local"),
+                                         ("autotp_zero3", "local")])
+def test_autotp_universal_on_one_rank_equals_deepspeeds_own_conversion_bitwise(request, name, source):
+    universal = request.getfixturevalue(f"{name}_universal")
+    ours, stock = universal[source], universal["stock"]
     assert ours["tag"] == f"{TAG}_universal" and ours["world_size"] == 1
     assert _state_differences(ours["loaded"], stock["loaded"]) == []
     assert ours["loss"] == stock["loss"]
     assert _state_differences(ours["state"], stock["state"]) == []
 
 
-def test_autotp_universal_weights_equal_the_gathered_tensor_parallel_weights(autotp, autotp_universal):
-    full = autotp["ranks"][0]["full_weights"]
-    loaded = autotp_universal["local"]["loaded"]
+@pytest.mark.parametrize("name", AUTOTP_LAYOUTS)
+def test_autotp_universal_weights_equal_the_gathered_tensor_parallel_weights(request, name):
+    full = request.getfixturevalue(name)["ranks"][0]["full_weights"]
+    loaded = request.getfixturevalue(f"{name}_universal")["local"]["loaded"]
     assert full and {f"module/{k}" for k in full} <= loaded.keys()
     assert [k for k in full if not torch.equal(loaded[f"module/{k}"], full[k])] == []
 
