@@ -43,8 +43,8 @@ class LayoutRanks:
     #: Layout families that leave process-wide parallel state behind.
     POLLUTING = ("pipeline", "autotp", "autotp_zero2", "autotp_zero3")
 
-    def __init__(self, ranks: Ranks) -> None:
-        self.ranks, self.family = ranks, None
+    def __init__(self, ranks: Ranks, folders: pytest.TempPathFactory) -> None:
+        self.ranks, self.folders, self.family = ranks, folders, None
 
     def run(self, family: str, fn, *args) -> list[dict]:
         if self.family in self.POLLUTING and family != self.family:
@@ -52,110 +52,97 @@ class LayoutRanks:
         self.family = family
         return self.ranks.run(fn, *args, timeout_s=600)
 
+    def layout(self, folder: str, family: str, fn, *args) -> dict:
+        """``fn(root, *args)`` on the ranks, ``root`` a new folder named ``folder``: ``{"root", "ranks"}``."""
+        root = self.folders.mktemp(folder)
+        return {"root": root, "ranks": self.run(family, fn, str(root), *args)}
+
 
 @pytest.fixture(scope="module")
-def layout_ranks(ranks):
-    return LayoutRanks(ranks)
+def layout_ranks(ranks, tmp_path_factory):
+    return LayoutRanks(ranks, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def pipeline(layout_ranks, s3, tmp_path_factory):
+def pipeline(layout_ranks, s3):
     """2 stages, ZeRO-1 fp32; also on S3."""
-    root = tmp_path_factory.mktemp("pipeline")
     url = f"s3://{s3.make_bucket('layouts-pipeline')}/run"
-    out = layout_ranks.run("pipeline", layout_tasks.pipeline_run, str(root), 1, url, options(s3.endpoint))
-    return {"root": root, "ranks": out}
+    return layout_ranks.layout("pipeline", "pipeline", layout_tasks.pipeline_run, 1, url, options(s3.endpoint))
 
 
 @pytest.fixture(scope="module")
-def pipeline_zero0(layout_ranks, tmp_path_factory):
+def pipeline_zero0(layout_ranks):
     """2 stages without ZeRO, fp32 (DeepSpeed's test_checkpoint_pipe_engine[0]): optimizer in the model states."""
-    root = tmp_path_factory.mktemp("pipeline-zero0")
-    return {"root": root, "ranks": layout_ranks.run("pipeline", layout_tasks.pipeline_run, str(root), 0)}
+    return layout_ranks.layout("pipeline-zero0", "pipeline", layout_tasks.pipeline_run, 0)
 
 
 @pytest.fixture(scope="module")
-def autotp(layout_ranks, s3, tmp_path_factory):
+def autotp(layout_ranks, s3):
     """AutoTP size 2 on 2 ranks, ZeRO-1 fp32; also on S3."""
-    root = tmp_path_factory.mktemp("autotp")
     url = f"s3://{s3.make_bucket('layouts-autotp')}/run"
-    out = layout_ranks.run("autotp", layout_tasks.autotp_run, str(root), 1, "fp32", url, options(s3.endpoint))
-    return {"root": root, "url": url, "ranks": out}
+    run = layout_ranks.layout("autotp", "autotp", layout_tasks.autotp_run, 1, "fp32", url, options(s3.endpoint))
+    return {**run, "url": url}
 
 
 @pytest.fixture(scope="module")
-def autotp_zero2(layout_ranks, tmp_path_factory):
+def autotp_zero2(layout_ranks):
     """AutoTP size 2 on 2 ranks, ZeRO-2 fp32."""
-    root = tmp_path_factory.mktemp("autotp-zero2")
-    out = layout_ranks.run("autotp_zero2", layout_tasks.autotp_run, str(root), 2, "fp32")
-    return {"root": root, "ranks": out}
+    return layout_ranks.layout("autotp-zero2", "autotp_zero2", layout_tasks.autotp_run, 2, "fp32")
 
 
 @pytest.fixture(scope="module")
-def autotp_zero3(layout_ranks, tmp_path_factory):
+def autotp_zero3(layout_ranks):
     """AutoTP size 2 on 2 ranks, ZeRO-3 bf16."""
-    root = tmp_path_factory.mktemp("autotp-zero3")
-    out = layout_ranks.run("autotp_zero3", layout_tasks.autotp_run, str(root), 3, "bf16")
-    return {"root": root, "ranks": out}
+    return layout_ranks.layout("autotp-zero3", "autotp_zero3", layout_tasks.autotp_run, 3, "bf16")
 
 
 @pytest.fixture(scope="module")
-def moe_zero0(layout_ranks, s3, tmp_path_factory):
+def moe_zero0(layout_ranks, s3):
     """Native MoE without ZeRO, fp32: expert-parallel optimizer files (``expp_rank_*``); also on S3."""
-    root = tmp_path_factory.mktemp("moe-zero0")
     url = f"s3://{s3.make_bucket('layouts-moe')}/run"
-    out = layout_ranks.run("dp", layout_tasks.moe_run, str(root), 0, "fp32", url, options(s3.endpoint))
-    return {"root": root, "ranks": out}
+    return layout_ranks.layout("moe-zero0", "dp", layout_tasks.moe_run, 0, "fp32", url, options(s3.endpoint))
 
 
 @pytest.fixture(scope="module")
-def moe_zero2(layout_ranks, tmp_path_factory):
+def moe_zero2(layout_ranks):
     """Native MoE with ZeRO-2, bf16."""
-    root = tmp_path_factory.mktemp("moe-zero2")
-    out = layout_ranks.run("dp", layout_tasks.moe_run, str(root), 2, "bf16")
-    return {"root": root, "ranks": out}
+    return layout_ranks.layout("moe-zero2", "dp", layout_tasks.moe_run, 2, "bf16")
 
 
 @pytest.fixture(scope="module")
-def autoep(layout_ranks, s3, tmp_path_factory):
+def autoep(layout_ranks, s3):
     """AutoEP size 2, ZeRO-1 fp32; also on S3."""
-    root = tmp_path_factory.mktemp("autoep-zero1")
     url = f"s3://{s3.make_bucket('layouts-autoep')}/run"
-    out = layout_ranks.run("dp", layout_tasks.autoep_run, str(root), 1, url, options(s3.endpoint))
-    return {"root": root, "url": url, "ranks": out}
+    return {**layout_ranks.layout("autoep-zero1", "dp", layout_tasks.autoep_run, 1, url, options(s3.endpoint)),
+            "url": url}
 
 
 @pytest.fixture(scope="module")
-def autoep_zero3(layout_ranks, tmp_path_factory):
-    root = tmp_path_factory.mktemp("autoep-zero3")
-    out = layout_ranks.run("dp", layout_tasks.autoep_run, str(root), 3)
-    return {"root": root, "ranks": out}
+def autoep_zero3(layout_ranks):
+    return layout_ranks.layout("autoep-zero3", "dp", layout_tasks.autoep_run, 3)
 
 
-def _offload(layout_ranks, tmp_path_factory, stage: int) -> dict:
-    root = tmp_path_factory.mktemp(f"offload-zero{stage}")
-    out = layout_ranks.run("dp", layout_tasks.offload_run, str(root), stage)
-    assert all(o["offloaded"] for o in out)
-    return {"root": root, "ranks": out}
+def _offload(layout_ranks, stage: int) -> dict:
+    run = layout_ranks.layout(f"offload-zero{stage}", "dp", layout_tasks.offload_run, stage)
+    assert all(o["offloaded"] for o in run["ranks"])
+    return run
 
 
 @pytest.fixture(scope="module")
-def offload_zero2(layout_ranks, tmp_path_factory):
+def offload_zero2(layout_ranks):
     """ZeRO-2 with the optimizer offloaded to the CPU."""
-    return _offload(layout_ranks, tmp_path_factory, 2)
+    return _offload(layout_ranks, 2)
 
 
 @pytest.fixture(scope="module")
-def offload_zero3(layout_ranks, tmp_path_factory):
+def offload_zero3(layout_ranks):
     """ZeRO-3 with the optimizer and the parameters offloaded to the CPU."""
-    return _offload(layout_ranks, tmp_path_factory, 3)
+    return _offload(layout_ranks, 3)
 
 
 @pytest.fixture(scope="module")
-def frozen(layout_ranks, tmp_path_factory):
-    root = tmp_path_factory.mktemp("frozen")
-    out = layout_ranks.run("dp", layout_tasks.frozen_run, str(root))
-    return {"root": root, "ranks": out}
+def frozen(layout_ranks):
+    return layout_ranks.layout("frozen", "dp", layout_tasks.frozen_run)
 
 
 @pytest.fixture(scope="module")
