@@ -140,7 +140,9 @@ class RankGroup:
                 dead = [r for r, p in enumerate(self._procs) if r not in results and p.exitcode is not None]
                 if dead:
                     failure = failure or f"{what}: rank(s) {dead} died (exit code {self._procs[dead[0]].exitcode})"
-                    deadline = min(deadline, time.monotonic() + 20)  # give the survivors a moment
+                    # give the survivors a moment; none is needed once every live rank has answered
+                    everyone = len(results) + len(dead) == self.world_size
+                    deadline = min(deadline, time.monotonic() + (0 if everyone else 20))
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(results))
                     stacks = self._stacks(missing)
