@@ -196,6 +196,10 @@ def report(runs: dict, selection: list[str], out: Path | None) -> int:
         for line in regressions + runs["async_ckpt"]["failed_saves"]:
             print("FAIL", line)
         status = 1 if regressions or runs["async_ckpt"]["failed_saves"] else 0
+    for mode, run in runs.items():
+        if not run["tests"]:
+            print(f"FAIL no test ran in mode {mode}: check the node ids (relative to the DeepSpeed tests folder)")
+            status = 1
     if "async_ckpt" in runs:
         print(f"async_ckpt: {runs['async_ckpt']['saves_ok']} background saves committed, "
               f"{len(runs['async_ckpt']['failed_saves'])} failed")
