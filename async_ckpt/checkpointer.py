@@ -108,6 +108,7 @@ class AsyncCheckpointer:
         self._drain_failed = False
         if config.local_tier is not None:
             self._open_local_tier(config.local_tier)
+        self._lower_rank_writes_model_states: dict[str, bool] = {}  # by storage URL; see _model_states_writer
         self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
                                         nice=config.writer_nice, exact_bytes=config.exact_bytes,
                                         cache_dir=config.cache_dir, on_done=config.on_save_done,
@@ -376,7 +377,7 @@ class AsyncCheckpointer:
         self._session = _Session(self._local if local else storage)
         entered = time.perf_counter()
         try:
-            with deferred_clones(), self._node_writes_model_states(local):
+            with deferred_clones(), self._model_states_writer(storage, local):
                 type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
                                                   save_latest=False,
                                                   exclude_frozen_parameters=exclude_frozen_parameters)
@@ -478,19 +479,42 @@ class AsyncCheckpointer:
             logger.info("local tier %s on %d node(s) (ranks sharing a folder: %s), drained to %s", path, len(nodes),
                         "; ".join(",".join(map(str, n.ranks)) for n in nodes), self.storage.url)
 
-    @contextlib.contextmanager
-    def _node_writes_model_states(self, local: bool) -> Iterator[None]:
-        """For a save to the local tier, the first rank of each node writes DeepSpeed's model-states file
-        too (as DeepSpeed's ``use_node_local_storage`` does), so every node folder holds all its ranks read."""
+    def _model_states_written_by_a_lower_rank(self, storage: Storage) -> bool:
+        """Whether a lower rank writes this rank's model-states file into the same folder of ``storage``
+        (asked of every rank at its first save there: a collective).
+
+        Under DeepSpeed's ``use_node_local_storage`` the first rank of every node writes
+        ``mp_rank_NN_model_states.pt``. Where the nodes share the folder (NFS, a bucket) they all write
+        one path, with copies that differ in a few bytes (``shared_params`` is found by data pointer),
+        and the manifest lists the lowest rank's copy: only that rank may write it, or the file left
+        behind may be another rank's and fail verification. (A local tier has its own rule, below.)"""
         engine = self.engine
-        if not (local and self._node_ranks[0] == self.rank) or engine.save_non_zero_checkpoint:
-            yield
-            return
-        engine.save_non_zero_checkpoint = True
+        if self.world_size == 1 or not engine.use_node_local_storage():
+            return False
+        if storage.url not in self._lower_rank_writes_model_states:
+            folder = storage.local_dir()
+            where = folder_identity(folder) if folder is not None else ("url", storage.url)
+            mine = (where, engine._get_ckpt_name("", "tag")) if engine.save_non_zero_checkpoint else None
+            self._lower_rank_writes_model_states[storage.url] = (
+                mine is not None and mine in self._gather(mine)[:self.rank])
+        return self._lower_rank_writes_model_states[storage.url]
+
+    @contextlib.contextmanager
+    def _model_states_writer(self, storage: Storage, local: bool) -> Iterator[None]:
+        """Who writes DeepSpeed's model-states file in this save. For a save to the local tier, the first
+        rank of each node writes it too (as DeepSpeed's ``use_node_local_storage`` does), so every node
+        folder holds all its ranks read. Elsewhere, a rank whose file a lower rank writes into the same
+        folder leaves it to that rank."""
+        engine = self.engine
+        writes = engine.save_non_zero_checkpoint
+        if local and self._node_ranks[0] == self.rank:
+            engine.save_non_zero_checkpoint = True
+        elif not local and self._model_states_written_by_a_lower_rank(storage):
+            engine.save_non_zero_checkpoint = False
         try:
             yield
         finally:
-            engine.save_non_zero_checkpoint = False
+            engine.save_non_zero_checkpoint = writes
 
     def _drain_later(self, job: SaveJob, outcome: Outcome) -> None:
         """Writer thread: the save is committed on the local tier; queue its drain to the URL."""

@@ -1,4 +1,5 @@
-"""Rank tasks for the layout tests: pipeline parallelism, AutoTP, native MoE, AutoEP, frozen parameters.
+"""Rank tasks for the layout tests: pipeline parallelism, AutoTP, native MoE, AutoEP, frozen parameters,
+node-local storage.
 
 Each ``*_run`` task builds a small engine of one layout (seed 0), trains a few steps, saves the same
 state with stock DeepSpeed (``{root}/stock``) and with async_ckpt (``{root}/async``), takes one more
@@ -9,9 +10,11 @@ Models are built here, DeepSpeed test style, not imported from DeepSpeed's test 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,8 +65,8 @@ def _save_async(engine: Any, url: str, options: dict | None, client_state: dict,
             engine.save_checkpoint(url, tag=TAG, client_state=dict(client_state), exclude_frozen_parameters=True)
             ckpt.wait()
             return {"tag": TAG}
-        handle = ckpt.save(tag=TAG, client_state=dict(client_state))
-        return {"tag": handle.result(timeout=300).tag, "stall_s": handle.metrics["stall_s"]}
+        result = ckpt.save(tag=TAG, client_state=dict(client_state)).result(timeout=300)
+        return {"tag": result.tag, "stall_s": result.stall_s, "bytes_written": result.bytes_written}
 
 
 def _resume(build: Build, step: Step, url: str, *, options: dict | None = None, cache_dir: str | None = None,
@@ -101,8 +104,23 @@ def _stream_save(engine: Any, root: str, client_state: dict, exclude_frozen: boo
         engine.checkpoint_engine = stock
 
 
+@contextlib.contextmanager
+def _model_states_from_rank_0(engine: Any, only_rank_0: bool) -> Iterator[None]:
+    """With ``only_rank_0``, only rank 0 writes the model-states file: where DeepSpeed has several ranks
+    write that one path into a shared folder (``use_node_local_storage``), their writes race and may
+    leave a torn file, so the reference copies are taken from rank 0 alone."""
+    writes = engine.save_non_zero_checkpoint
+    if only_rank_0:
+        engine.save_non_zero_checkpoint = writes and _rank() == 0
+    try:
+        yield
+    finally:
+        engine.save_non_zero_checkpoint = writes
+
+
 def _layout_run(build: Build, step: Step, root: str, layout: str, *, s3: tuple[str, dict] | None = None,
-                exclude_frozen: bool = False, at_save: Callable[[Any], dict] | None = None) -> tuple[dict, Any]:
+                exclude_frozen: bool = False, at_save: Callable[[Any], dict] | None = None,
+                stock_model_states_from_rank_0: bool = False) -> tuple[dict, Any]:
     """Train, save stock, async and as FastPersist serializes (and async to ``s3``), take the reference
     step, resume (from disk and ``s3``).
 
@@ -112,10 +130,12 @@ def _layout_run(build: Build, step: Step, root: str, layout: str, *, s3: tuple[s
     engine = build(0)
     for _ in range(STEPS_BEFORE):
         step(engine)
-    type(engine).save_checkpoint(engine, f"{root}/stock", tag=TAG, client_state=dict(client_state),
-                                 exclude_frozen_parameters=exclude_frozen)
+    with _model_states_from_rank_0(engine, stock_model_states_from_rank_0):
+        type(engine).save_checkpoint(engine, f"{root}/stock", tag=TAG, client_state=dict(client_state),
+                                     exclude_frozen_parameters=exclude_frozen)
     out = _save_async(engine, f"{root}/async", None, client_state, exclude_frozen)
-    _stream_save(engine, f"{root}/fast", client_state, exclude_frozen)
+    with _model_states_from_rank_0(engine, stock_model_states_from_rank_0):
+        _stream_save(engine, f"{root}/fast", client_state, exclude_frozen)
     if s3 is not None:
         _save_async(engine, s3[0], s3[1], client_state, exclude_frozen)
     out["saved"] = state(engine)
@@ -457,6 +477,34 @@ def _frozen_engine(seed: int) -> Any:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=config)
     return engine
+
+
+def _node_local_engine(seed: int) -> Any:
+    """The workload GPT under ZeRO-1 fp32 with DeepSpeed's ``checkpoint.use_node_local_storage``."""
+    import deepspeed
+
+    from async_ckpt import workload
+
+    config = workload.ds_config(1, "fp32")
+    config["checkpoint"]["use_node_local_storage"] = True
+    model = workload.build_model("tiny", seed=seed)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def node_local_run(root: str) -> dict:
+    """``use_node_local_storage`` on two simulated nodes of one rank each (``LOCAL_RANK`` 0 on both
+    ranks), sharing one folder: DeepSpeed has each node's first rank write the model-states file, so
+    both ranks would write ``mp_rank_00_model_states.pt`` (the reference saves take rank 0's alone)."""
+    local_rank = os.environ["LOCAL_RANK"]
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        out, engine = _layout_run(_node_local_engine, _gpt_step, root, "node_local",
+                                  stock_model_states_from_rank_0=True)
+    finally:
+        os.environ["LOCAL_RANK"] = local_rank
+    out["writes_model_states"] = engine.save_non_zero_checkpoint
+    return out
 
 
 def _gpt_step(engine: Any) -> float:

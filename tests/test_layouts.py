@@ -67,7 +67,8 @@ def layout_ranks(ranks, tmp_path_factory):
 def pipeline(layout_ranks, s3):
     """2 stages, ZeRO-1 fp32; also on S3."""
     url = f"s3://{s3.make_bucket('layouts-pipeline')}/run"
-    return layout_ranks.layout("pipeline", "pipeline", layout_tasks.pipeline_run, 1, url, options(s3.endpoint))
+    return {**layout_ranks.layout("pipeline", "pipeline", layout_tasks.pipeline_run, 1, url, options(s3.endpoint)),
+            "url": url}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,8 @@ def autotp_zero3(layout_ranks):
 def moe_zero0(layout_ranks, s3):
     """Native MoE without ZeRO, fp32: expert-parallel optimizer files (``expp_rank_*``); also on S3."""
     url = f"s3://{s3.make_bucket('layouts-moe')}/run"
-    return layout_ranks.layout("moe-zero0", "dp", layout_tasks.moe_run, 0, "fp32", url, options(s3.endpoint))
+    return {**layout_ranks.layout("moe-zero0", "dp", layout_tasks.moe_run, 0, "fp32", url, options(s3.endpoint)),
+            "url": url}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +145,12 @@ def offload_zero3(layout_ranks):
 @pytest.fixture(scope="module")
 def frozen(layout_ranks):
     return layout_ranks.layout("frozen", "dp", layout_tasks.frozen_run)
+
+
+@pytest.fixture(scope="module")
+def node_local(layout_ranks):
+    """DeepSpeed's ``use_node_local_storage`` on two simulated one-rank nodes sharing the folder."""
+    return layout_ranks.layout("node-local", "dp", layout_tasks.node_local_run)
 
 
 @pytest.fixture(scope="module")
@@ -242,16 +250,16 @@ def autoep_zero3_universal(autoep_zero3, one_rank):
 
 
 @pytest.fixture(scope="module")
-def pipeline_universal(pipeline, one_rank):
-    """The 2-stage ZeRO-1 checkpoint loaded on one rank as a single stage; and where the two conversions'
-    files differ."""
-    loads = _universal(pipeline, one_rank, layout_tasks.pipeline_universal)
+def pipeline_universal(pipeline, one_rank, s3):
+    """The 2-stage ZeRO-1 checkpoint, on disk and on S3, loaded on one rank as a single stage; and where the
+    two conversions' files differ."""
+    loads = _universal(pipeline, one_rank, layout_tasks.pipeline_universal, s3=s3)
     return {"differences": _universal_file_differences(pipeline["root"]), **loads}
 
 
 #: In this order, the module restarts its ranks only after each AutoTP run (see LayoutRanks).
-LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "offload_zero2", "offload_zero3", "frozen", "autotp",
-           "autotp_zero2", "autotp_zero3", "pipeline", "pipeline_zero0", "tp_pp"]
+LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "offload_zero2", "offload_zero3", "frozen", "node_local",
+           "autotp", "autotp_zero2", "autotp_zero3", "pipeline", "pipeline_zero0", "tp_pp"]
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -407,12 +415,21 @@ def test_to_universal_of_native_moe_fails_with_deepspeeds_own_error(request, nam
     assert code != 0 and refusal in _without_numbers(capsys.readouterr().err)
 
 
+def test_to_universal_of_native_moe_on_s3_fails_with_deepspeeds_own_error(moe_zero0, s3, capsys):
+    stock = _stock_universal(moe_zero0["root"], check=False)
+    code = cli(["to-universal", moe_zero0["url"], "--endpoint", s3.endpoint, "--out", moe_zero0["url"], "--json",
+                "--workers", "1"])
+    refusal = _without_numbers(stock.stderr.strip().splitlines()[-1])
+    assert code != 0 and refusal in _without_numbers(capsys.readouterr().err)
+
+
 def test_pipeline_universal_conversion_equals_deepspeeds_own_conversion_bitwise(pipeline_universal):
     assert pipeline_universal["differences"] == []
 
 
-def test_pipeline_universal_on_one_stage_equals_deepspeeds_own_conversion_bitwise(pipeline_universal):
-    ours, stock = pipeline_universal["local"], pipeline_universal["stock"]
+@pytest.mark.parametrize("source", ["local", "s3"])
+def test_pipeline_universal_on_one_stage_equals_deepspeeds_own_conversion_bitwise(pipeline_universal, source):
+    ours, stock = pipeline_universal[source], pipeline_universal["stock"]
     assert ours["tag"] == f"{TAG}_universal" and ours["world_size"] == 1
     assert _state_differences(ours["loaded"], stock["loaded"]) == []
     assert ours["loss"] == stock["loss"]
@@ -583,6 +600,14 @@ def test_excluded_frozen_parameters_are_absent_from_both_checkpoints(frozen):
     for folder in ("stock", "async"):
         module = _load(frozen["root"] / folder / TAG / "mp_rank_00_model_states.pt")["module"]
         assert not set(frozen_names) & module.keys(), folder
+
+
+# ---- node-local storage ----------------------------------------------------------------------
+
+def test_node_local_storage_on_a_shared_folder_has_only_the_lowest_rank_write_the_model_states(node_local):
+    assert [out["writes_model_states"] for out in node_local["ranks"]] == [True, True]  # as DeepSpeed decides
+    rank1_optimizer = node_local["root"] / "async" / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert node_local["ranks"][1]["bytes_written"] == rank1_optimizer.stat().st_size
 
 
 # ---- file ownership (no ranks) ----------------------------------------------------------------
