@@ -411,7 +411,7 @@ class AsyncCheckpointer:
             metrics = {**metrics, "tier": "local" if tiered else "durable"}
         handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes, **metrics)
         self._last_job = job
-        self._handles.append(handle)
+        self._track(handle)
         self._writer.submit(job)
         if self.config.synchronous:
             self._bounded(handle.wait, tag, "the save to commit (synchronous=True)", self.config.wait_timeout_s)
@@ -551,7 +551,7 @@ class AsyncCheckpointer:
             handle = SaveHandle(tag=manifest.tag, url=self.storage.url)
             handle._commit_local(SaveResult(tag=manifest.tag, url=self._local.url, bytes_written=manifest.total_bytes,
                                             stall_s=0.0, persist_s=0.0, commit_s=0.0))
-            self._handles.append(handle)
+            self._track(handle)
             self._drainer.submit(DrainJob(manifest=manifest, drain_id=drain_id, handle=handle))
 
     def _gather(self, value: Any) -> list[Any]:
@@ -634,6 +634,13 @@ class AsyncCheckpointer:
         logger.warning("save() waited %.2f s for the previous save (%s) to finish writing; saves are more "
                        "frequent than storage can absorb", waited, job.tag)
         return waited
+
+    def _track(self, handle: SaveHandle) -> None:
+        """Keep ``handle`` until its save ends. Ended ones are let go here as well as in :meth:`wait`, so
+        a run that saves without ever waiting does not hold every handle it made (a failure reaches the
+        user through ``_record_failure``, not through this list)."""
+        self._handles = [h for h in self._handles if not h.done()]
+        self._handles.append(handle)
 
     def _await_handles(self, timeout_s: float, *, local_only: bool = False) -> None:
         """Every save so far committed (durably, or with ``local_only`` on its first tier) or failed,

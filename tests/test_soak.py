@@ -34,6 +34,11 @@ def test_resident_memory_stays_flat(soaked):
         assert rank["rss_growth"] < 0.05
 
 
+def test_handles_of_ended_saves_are_let_go_without_a_wait(soaked):
+    for rank in soaked["ranks"]:
+        assert rank["ended_handles_kept"] == 0
+
+
 def test_staging_buffers_are_allocated_once_and_reused(soaked):
     for rank in soaked["ranks"]:
         assert rank["allocations_after_first"] > 0
