@@ -27,6 +27,8 @@ from async_ckpt.manifest import FileEntry
 from async_ckpt.serialization import Lending, write_torch_file
 
 logger = logging.getLogger("async_ckpt")
+#: Said of every failed save: the commit never began, or aborted before the manifest.
+_UNCHANGED = "The previous checkpoint and 'latest' are unchanged."
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -142,9 +144,12 @@ class BackgroundWriter:
             with contextlib.suppress(BaseException):  # no copy may still fill the buffers the next save reuses
                 job.ticket.wait()
             job.release_buffers()
-            error = self._write_error(job, exc, current)
+            what = (f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} during {current}: "
+                    f"{type(exc).__name__}: {exc}")
+            error = SaveFailedError(f"{what}. {_UNCHANGED}", tag=job.tag)
+            error.__cause__ = exc
             try:
-                commit.report_failure(job, str(error))
+                commit.report_failure(job, what)  # the others add the sentence on what is unchanged themselves
             except Exception as store_exc:  # without a report no rank can commit the tag either
                 logger.debug("could not report the failure of tag %s: %s", job.tag, store_exc)
             self._acknowledge(job)
@@ -157,7 +162,7 @@ class BackgroundWriter:
                                      f"rank {job.rank} ({brief(exc)}); this rank's files stay for `async-ckpt gc`")
         self._acknowledge(job)
         if not outcome.committed:
-            self._fail(job, SaveFailedError(f"{outcome.error}. The previous checkpoint and 'latest' are unchanged.",
+            self._fail(job, SaveFailedError(f"{outcome.error}. {_UNCHANGED}",
                                             tag=job.tag), written, cleanup=outcome.cleanup)
             return
         handed_over = job.tiered and self._on_local_commit is not None
@@ -193,13 +198,6 @@ class BackgroundWriter:
         if local is not None:
             return os.path.join(local, job.tag, MARKER_DIR, f"scratch-rank{job.rank}")
         return os.path.join(self._cache_dir, "scratch")
-
-    def _write_error(self, job: SaveJob, exc: BaseException, current: str) -> SaveFailedError:
-        error = SaveFailedError(
-            f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} during {current}: "
-            f"{type(exc).__name__}: {exc}. The previous checkpoint and 'latest' are unchanged.", tag=job.tag)
-        error.__cause__ = exc
-        return error
 
     def _fail(self, job: SaveJob, error: SaveFailedError, written: list[FileEntry], *, cleanup: bool) -> None:
         """Resolve the handle with ``error``; remove this rank's files of the tag if no manifest can appear."""

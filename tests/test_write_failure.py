@@ -27,6 +27,7 @@ def test_every_rank_handle_reports_the_failure(failed):
     for rank in out:
         kind, message = rank["handle_error"]
         assert kind == "SaveFailedError" and "'bad'" in message and "rank 1" in message
+        assert message.count("'latest' are unchanged") == 1
 
 
 def test_failing_rank_error_names_file_and_cause(failed):
