@@ -36,7 +36,7 @@ from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError,
                                SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
                                VerificationError, WaitTimeoutError)
 from async_ckpt.handle import SaveHandle, SaveResult
-from async_ckpt.handshake import Handshake, Outcome, job_store
+from async_ckpt.handshake import Handshake, Outcome, brief, job_store
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import manifest_path, model_parallel_size, validate_tag
 from async_ckpt.manifest import Manifest
@@ -98,6 +98,7 @@ class AsyncCheckpointer:
         self._handles: list[SaveHandle] = []
         self._errors: list[SaveFailedError] = []
         self._unreported: list[SaveFailedError] = []
+        self._raised_for_peers: set[str | None] = set()  # tags of failures raised before this rank learnt them
         self._errors_lock = threading.Lock()
         self._closed = False
         self.last_fetch: PullReport | None = None
@@ -158,7 +159,6 @@ class AsyncCheckpointer:
         moves ``latest``, and :meth:`load`, the automatic tag choice and retention leave it alone.
         """
         self._ensure_open()
-        self._surface_errors()
         started = time.perf_counter()
         tag = validate_tag(tag) if tag is not None else f"global_step{self.engine.global_steps}_consolidated"
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
@@ -367,7 +367,6 @@ class AsyncCheckpointer:
     def _save(self, storage: Storage, tag: str | None, client_state: Mapping[str, Any] | None,
               save_latest: bool, exclude_frozen_parameters: bool = False) -> SaveHandle:
         self._ensure_open()
-        self._surface_errors()
         started = time.perf_counter()
         tag = validate_tag(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         if client_state is not None and not isinstance(client_state, Mapping):
@@ -427,17 +426,31 @@ class AsyncCheckpointer:
         With ``tiered``, also whether the save goes to the local tier (every rank's node folder has
         room; else straight to the URL), and the drains to resume, which rank 0 lists after one failed.
         Returns ``(save id, to the local tier)``.
+
+        An earlier save's failure is raised here, after the collective, on every rank at once (with
+        ``on_error="raise"``): the rank whose write failed knows it before the others learn it from
+        the commit, and a rank that raised before the collective would leave the others waiting in it.
+        So does a failure of rank 0's checks of the storage.
         """
-        proposal = None
+        proposal, problem = None, None
         room = room_for(self._local.local_dir(), estimate_save_bytes(self.engine, self.world_size,
                                                                      self._pool.allocated_bytes),
                         self.config.local_tier_max_bytes) if tiered else (True, "")
         if self.rank == 0:
-            committed = storage.exists(manifest_path(tag)) or (tiered and self._local.exists(manifest_path(tag)))
-            redrain = self._drains_to_resume() if tiered and self._drain_failed else []
-            proposal = (uuid.uuid4().hex, committed, committed and replace_export and _is_consolidated(storage, tag),
-                        redrain)
-        views = self._gather((tag, proposal, room))
+            try:
+                committed = storage.exists(manifest_path(tag)) or (tiered and self._local.exists(manifest_path(tag)))
+                redrain = self._drains_to_resume() if tiered and self._drain_failed else []
+                proposal = (uuid.uuid4().hex, committed,
+                            committed and replace_export and _is_consolidated(storage, tag), redrain)
+            except Exception as exc:  # raised below, on every rank
+                problem = exc
+        views = self._gather((tag, proposal, room, self._failure_to_report(), brief(problem) if problem else None))
+        self._surface_errors([v[3] for v in views])
+        if problem is not None:
+            raise problem
+        if views[0][4] is not None:
+            raise StorageError(f"rank 0 could not check tag {tag!r} at {storage.url} before the save "
+                               f"({views[0][4]}); nothing was written. Check the storage, then save again")
         tags = {v[0] for v in views}
         if len(tags) > 1:
             if self.engine.checkpoint_tag_validation_fail():
@@ -456,7 +469,7 @@ class AsyncCheckpointer:
             if tiered and self._local.exists(manifest_path(tag)):
                 self._local.delete(manifest_path(tag))
         self._start_drains(redrain)
-        full = [f"rank {r}: {why}" for r, (_, _, (fits, why)) in enumerate(views) if not fits]
+        full = [f"rank {r}: {why}" for r, (_, _, (fits, why), *_) in enumerate(views) if not fits]
         if full and self.rank == 0:
             logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,
                            "; ".join(full), storage.url)
@@ -710,7 +723,6 @@ class AsyncCheckpointer:
         if not save_dir:
             raise ConfigError(f"save_dir must be a non-empty string, got {save_dir!r}")
         self._ensure_open()
-        self._surface_errors()
         started = time.perf_counter()
         root, tag = _normalize(os.fspath(save_dir)).rsplit("/", 1)
         tag = validate_tag(tag)
@@ -793,15 +805,28 @@ class AsyncCheckpointer:
     def _record_failure(self, error: SaveFailedError) -> None:
         with self._errors_lock:
             self._errors.append(error)
-            self._unreported.append(error)
+            if error.tag in self._raised_for_peers:  # raised already, when another rank reported it
+                self._raised_for_peers.discard(error.tag)
+            else:
+                self._unreported.append(error)
 
-    def _surface_errors(self) -> None:
+    def _failure_to_report(self) -> tuple[str | None, str] | None:
+        """``(tag, message)`` of the failure :meth:`_surface_errors` would raise on this rank, for the others."""
+        if self.config.on_error != "raise":
+            return None
+        with self._errors_lock:
+            return (self._unreported[0].tag, str(self._unreported[0])) if self._unreported else None
+
+    def _surface_errors(self, reported: list[tuple[str | None, str] | None] | None = None) -> None:
+        """Raise (``on_error="raise"``) or log the failures this rank has not reported yet. ``reported``:
+        what every rank would raise (from :meth:`_agree`'s collective), so that all raise together."""
         with self._errors_lock:
             pending, self._unreported = self._unreported, []
-        if not pending:
-            return
-        if self.config.on_error == "raise":
-            raise pending[0]
+            peer = next((r for r in reported or [] if r is not None), None)
+            if not pending and peer is not None:
+                self._raised_for_peers.add(peer[0])
+        if self.config.on_error == "raise" and (pending or peer is not None):
+            raise pending[0] if pending else SaveFailedError(peer[1], tag=peer[0])
         for error in pending:
             logger.warning("an earlier background save failed (training continues, on_error='warn'): %s", error)
 

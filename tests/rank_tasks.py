@@ -285,6 +285,30 @@ def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "EN
     return seen
 
 
+def failure_known_to_one_rank_first(root: str) -> dict:
+    """With ``on_error="raise"``: rank 1's write of tag 'bad' fails at once, while rank 0's is held (a
+    gate opened 2 s into the next save), so only rank 1 knows of the failure when both call save() again."""
+    import threading
+
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    gate = f"{root}.gate"
+    faults = {"fail_ranks": [1], "gate": gate, "gate_ranks": [0]}
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, on_error="raise")
+    handle = ckpt.save(tag="bad")
+    known = handle.wait(60) if _rank() == 1 else handle.done()
+    dist.barrier()
+    if _rank() == 0:
+        threading.Timer(2.0, lambda: open(gate, "w").close()).start()
+    seen = {"knew_before_next_save": known, "next_save": _outcome(lambda: ckpt.save(tag="next"))}
+    seen["wait_after"] = _outcome(ckpt.wait)
+    seen["close"] = _outcome(ckpt.close)
+    return seen
+
+
 def _flip_byte(path: str, offset: int = 200) -> None:
     with open(path, "r+b") as fh:
         fh.seek(offset)

@@ -61,6 +61,25 @@ def test_next_save_raises_only_when_on_error_is_raise(failed):
             assert rank["next_save"] is None
 
 
+@pytest.fixture(scope="module")
+def known_to_one_rank_first(ranks, tmp_path_factory):
+    """The failing rank knows of its failure before the others learn it from the commit."""
+    root = tmp_path_factory.mktemp("fail-known-first")
+    return ranks.run(rank_tasks.failure_known_to_one_rank_first, str(root / "ckpt"), timeout_s=180)
+
+
+def test_a_failure_one_rank_knows_first_is_raised_by_every_rank_at_the_next_save(known_to_one_rank_first):
+    assert [rank["knew_before_next_save"] for rank in known_to_one_rank_first] == [False, True]
+    for rank in known_to_one_rank_first:
+        kind, message = rank["next_save"]
+        assert kind == "SaveFailedError" and "'bad'" in message and "rank 1" in message
+
+
+def test_a_failure_raised_for_another_rank_is_not_raised_again(known_to_one_rank_first):
+    for rank in known_to_one_rank_first:
+        assert rank["wait_after"] is None and rank["close"] is None
+
+
 def test_slow_storage_delays_durability_not_training(ranks, tmp_path):
     out = ranks.run(rank_tasks.save_to_slow_storage, str(tmp_path))
     for rank in out:
