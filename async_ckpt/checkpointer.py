@@ -750,8 +750,20 @@ class AsyncCheckpointer:
         key = _normalize(url)
         storage = self._storages.get(key)
         if storage is None:
+            self._close_idle_storages()
             storage = self._storages[key] = self._open(url)
         return storage
+
+    def _close_idle_storages(self) -> None:
+        """Close and forget the storages of earlier save folders that no save in flight writes to.
+
+        Hugging Face Trainer saves every checkpoint into a new ``checkpoint-N`` folder, so without this
+        a long run would keep one storage per save open, each with its upload threads on S3."""
+        busy = {handle.url for handle in self._handles if not handle.done()}
+        for key, storage in list(self._storages.items()):
+            if storage is not self.storage and storage.url not in busy:
+                storage.close()
+                del self._storages[key]
 
     def _open(self, url: str) -> Storage:
         options = self.config.storage_options if "://" in url else {}

@@ -84,6 +84,20 @@ def save_through_fault_proxy(url: str, options: dict, proxy: str) -> dict:
     return out
 
 
+def save_into_new_folders(url: str, options: dict, saves: int) -> dict:
+    """``engine.save_checkpoint`` into a new ``checkpoint-N`` folder each time, as Hugging Face Trainer
+    saves: the upload threads open after each save (shards of several 5 MiB parts, so each upload runs
+    on them)."""
+    engine = workload.make_engine(2, "fp32", size="small")
+    lanes = []
+    with async_ckpt.wrap(engine, url, storage_options=options, part_size=5 * 1024 * 1024) as ckpt:
+        for i in range(saves):
+            engine.save_checkpoint(f"{url}/checkpoint-{i}")
+            ckpt.wait()
+            lanes.append(sum(name.startswith("async_ckpt-s3-lane") for name in _async_ckpt_threads()))
+    return {"lane_threads": lanes}
+
+
 def wrap_with_bad_destinations(endpoint: str, bucket: str) -> dict:
     engine = workload.make_engine(1, "fp32")
     return {

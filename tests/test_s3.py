@@ -126,6 +126,12 @@ def test_permanent_failure_keeps_latest_on_the_previous_tag(through_faults):
     assert [r["latest"] for r in through_faults["ranks"]] == ["good", "good"]
 
 
+def test_saves_into_new_folders_do_not_keep_the_earlier_folders_upload_threads(s3, ranks):
+    bucket = s3.make_bucket("new-folders")
+    for rank in ranks.run(s3_tasks.save_into_new_folders, f"s3://{bucket}/run", options(s3.endpoint), 4):
+        assert rank["lane_threads"][0] > 0 and len(set(rank["lane_threads"])) == 1, rank["lane_threads"]
+
+
 @pytest.fixture(scope="module")
 def bad_destinations(s3, ranks):
     bucket = s3.make_bucket("bad-input")
