@@ -314,8 +314,8 @@ class AsyncCheckpointer:
         if self._closed:
             return
         try:
+            self._writer.stop()  # first: it ends after the queued saves, even if a wait below gives up
             self._await_staging()
-            self._writer.stop()
             self._await_handles(self.config.wait_timeout_s)
             self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
                           "the background writer thread to stop", self.config.wait_timeout_s)
