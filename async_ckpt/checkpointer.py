@@ -405,7 +405,7 @@ class AsyncCheckpointer:
                       keep_last=None if consolidated or tiered else self.config.keep_last,
                       keep_every=self.config.keep_every, metadata=self._metadata(), extras_dir=extras_dir,
                       consolidated=consolidated, max_shard_bytes=max_shard_bytes, tiered=tiered,
-                      node_ranks=self._node_ranks if tiered else ())
+                      node_ranks=self._node_ranks if tiered else (), started=started)
         if self._local is not None:
             metrics = {**metrics, "tier": "local" if tiered else "durable"}
         handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes, **metrics)

@@ -580,7 +580,7 @@ def save_done_callback(root: str) -> dict:
 
     def record(handle) -> None:
         seen.append({"tag": handle.tag, "done": handle.done(), "ok": handle.exception() is None,
-                     "metrics": sorted(handle.metrics)})
+                     "metrics": dict(handle.metrics)})
 
     def explode(handle) -> None:
         raise RuntimeError("tracker is down")

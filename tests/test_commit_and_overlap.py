@@ -78,6 +78,12 @@ def test_on_save_done_callback_gets_every_finished_save_and_cannot_break_saving(
         assert rank_out["committed_despite_raising_callback"] == "two"
 
 
+def test_durable_time_counts_from_the_save_call_through_the_stall_the_write_and_the_commit(ranks, tmp_path):
+    for rank_out in ranks.run(rank_tasks.save_done_callback, str(tmp_path)):
+        metrics = rank_out["seen"][0]["metrics"]
+        assert metrics["durable_s"] >= metrics["stall_s"] + metrics["persist_s"] + metrics.get("commit_s", 0.0)
+
+
 @pytest.fixture(scope="module")
 def second_save_during_first(ranks, tmp_path_factory):
     root = tmp_path_factory.mktemp("back-to-back")
