@@ -15,6 +15,7 @@ import torch
 from async_ckpt.errors import StorageError
 from async_ckpt.serialization import write_torch_file
 from async_ckpt.storage import LocalStorage, open_storage
+from async_ckpt.storage import local as local_storage
 from async_ckpt.storage.local import DirectWriter, _open_direct
 from async_ckpt.storage.s3 import S3Storage
 from async_ckpt.storage.retry import RetryPolicy
@@ -78,6 +79,20 @@ def test_failed_local_write_publishes_nothing(tmp_path, direct_io):
             stream.write(b"x" * 100_000)
             raise RuntimeError("serialization failed")
     assert os.listdir(tmp_path / "tag") == []
+
+
+def test_a_direct_writer_that_cannot_be_built_leaves_no_file_and_no_open_descriptor(tmp_path, monkeypatch):
+    def no_memory(fd):
+        raise MemoryError("no memory for the bounce buffers")
+
+    monkeypatch.setattr(local_storage, "DirectWriter", no_memory)
+    storage = LocalStorage(str(tmp_path), direct_io=True)
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(MemoryError):
+        with storage.open_write("tag/file.pt"):
+            pass
+    assert os.listdir(tmp_path / "tag") == []
+    assert len(os.listdir("/proc/self/fd")) == open_before
 
 
 def test_s3_write_round_trips_through_multipart(s3, bucket):

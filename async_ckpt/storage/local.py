@@ -290,9 +290,10 @@ class LocalStorage(FsspecStorage):
         direct = fd is not None
         if fd is None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        # Unbuffered either way: torch.save hands over whole tensor storages; a userspace buffer only adds a copy.
-        stream = DirectWriter(fd) if direct else open(fd, "wb", buffering=0, closefd=False)
+        stream: Any = None  # a DirectWriter, or a raw file object
         try:
+            # Unbuffered either way: torch.save hands over whole tensor storages; a userspace buffer only adds a copy.
+            stream = DirectWriter(fd) if direct else open(fd, "wb", buffering=0, closefd=False)
             yield stream  # type: ignore[misc]
             if direct:
                 stream.finish()
@@ -303,7 +304,8 @@ class LocalStorage(FsspecStorage):
                 os.unlink(tmp)
             raise
         finally:
-            stream.release() if direct else stream.close()
+            if stream is not None:
+                stream.release() if direct else stream.close()
             os.close(fd)
         os.replace(tmp, final)
         if self.fsync:
