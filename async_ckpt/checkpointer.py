@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import deepspeed
 import torch
@@ -52,6 +52,33 @@ logger = logging.getLogger("async_ckpt")
 
 #: How often a long wait for background work logs that it is still waiting.
 _PROGRESS_EVERY_S = 60.0
+
+
+class _Proposal(NamedTuple):
+    """Rank 0's part of :meth:`AsyncCheckpointer._agree`: what it found in the storage."""
+
+    save_id: str
+    committed: bool  # the tag has a manifest already
+    replaceable: bool  # ... of an earlier consolidated save, which an export may replace
+    redrain: list[tuple[str, str]]  # (tag, drain id) of drains to resume (tiered)
+
+
+class _View(NamedTuple):
+    """What each rank brings to :meth:`AsyncCheckpointer._agree`'s one collective."""
+
+    tag: str
+    proposal: _Proposal | None  # rank 0 only
+    room: tuple[bool, str]  # (fits, why not): room for the save in this rank's local tier
+    failure: tuple[str | None, str] | None  # what this rank would raise (on_error="raise")
+    problem: str | None  # rank 0 only: why its checks of the storage failed
+
+
+class _Agreement(NamedTuple):
+    """The outcome of :meth:`AsyncCheckpointer._agree`, the same on every rank."""
+
+    save_id: str
+    local: bool  # the save goes to the local tier
+    overwrites: bool  # the tag was committed and is uncommitted for this save
 
 
 @dataclass
@@ -164,7 +191,7 @@ class AsyncCheckpointer:
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
         waited = self._await_buffers()
-        save_id, _ = self._agree(self.storage, tag)
+        agreed = self._agree(self.storage, tag)
         entered = time.perf_counter()
         state = gather_state_dict(self.engine, exclude_frozen_parameters=exclude_frozen_parameters)
         gathered = time.perf_counter()
@@ -173,11 +200,11 @@ class AsyncCheckpointer:
             files.append(self._pool.snapshot(state, f"{tag}/model-*.safetensors", slot_key="consolidated",
                                              defer=False))
         snapshot_s = time.perf_counter() - gathered
-        extras_dir = self._save_extras(save_id)
+        extras_dir = self._save_extras(agreed.save_id)
         dtype = floating_dtype(state) if state else None
         if extras_dir is not None and dtype is not None and os.path.isfile(os.path.join(extras_dir, "config.json")):
             set_config_dtype(os.path.join(extras_dir, "config.json"), dtype)  # the weights' dtype, for from_pretrained
-        return self._submit(self.storage, tag, save_id, files, CopyTicket([]), started, save_latest=False,
+        return self._submit(self.storage, tag, agreed, files, CopyTicket([]), started, save_latest=False,
                             extras_dir=extras_dir, consolidated=True, max_shard_bytes=max_shard_bytes,
                             metrics={"buffer_wait_s": waited, "gather_s": gathered - entered,
                                      "snapshot_s": snapshot_s})
@@ -372,11 +399,11 @@ class AsyncCheckpointer:
         if client_state is not None and not isinstance(client_state, Mapping):
             raise UsageError(f"client_state must be a dict, got {type(client_state).__name__}")
         waited = self._await_buffers()
-        save_id, local = self._agree(storage, tag, tiered=self._local is not None and storage is self.storage)
-        self._session = _Session(self._local if local else storage)
+        agreed = self._agree(storage, tag, tiered=self._local is not None and storage is self.storage)
+        self._session = _Session(self._local if agreed.local else storage)
         entered = time.perf_counter()
         try:
-            with deferred_clones(), self._model_states_writer(storage, local):
+            with deferred_clones(), self._model_states_writer(storage, agreed.local):
                 type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
                                                   save_latest=False,
                                                   exclude_frozen_parameters=exclude_frozen_parameters)
@@ -387,25 +414,26 @@ class AsyncCheckpointer:
         deferred = [pair for f in files for pair in f.deferred]
         self._staging = self._pool.copy(deferred, background=True)
         self._pool.trim_reserve()
-        return self._submit(self._local if local else storage, tag, save_id, files, self._staging, started,
-                            save_latest=save_latest, extras_dir=self._save_extras(save_id), tiered=local,
+        return self._submit(self._local if agreed.local else storage, tag, agreed, files, self._staging, started,
+                            save_latest=save_latest, extras_dir=self._save_extras(agreed.save_id),
                             metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,
                                      "deepspeed_overhead_s": deepspeed_s - snapshot_s})
 
-    def _submit(self, storage: Storage, tag: str, save_id: str, files: list[StagedFile], ticket: CopyTicket,
+    def _submit(self, storage: Storage, tag: str, agreed: _Agreement, files: list[StagedFile], ticket: CopyTicket,
                 started: float, *, save_latest: bool, extras_dir: str | None, metrics: dict[str, float],
-                consolidated: bool = False, max_shard_bytes: int | None = None, tiered: bool = False) -> SaveHandle:
-        """Hand a snapshotted save to the background writer; its handle's ``stall_s`` ends here. A
-        ``tiered`` save is committed in ``storage`` (the local tier), then drained to the URL. With
-        ``synchronous``, wait for the commit before returning."""
+                consolidated: bool = False, max_shard_bytes: int | None = None) -> SaveHandle:
+        """Hand a snapshotted save to the background writer; its handle's ``stall_s`` ends here. A save
+        to the local tier (``agreed.local``) is committed in ``storage`` (that tier), then drained to the URL.
+        With ``synchronous``, wait for the commit before returning."""
+        tiered = agreed.local
         handle = SaveHandle(tag=tag, url=self.storage.url if tiered else storage.url)
-        job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=self.rank, world_size=self.world_size,
+        job = SaveJob(tag=tag, save_id=agreed.save_id, storage=storage, rank=self.rank, world_size=self.world_size,
                       files=files, ticket=ticket, handle=handle, save_latest=save_latest,
-                      handshake=Handshake(self._store, save_id, self.rank, self.world_size),
+                      handshake=Handshake(self._store, agreed.save_id, self.rank, self.world_size),
                       keep_last=None if consolidated or tiered else self.config.keep_last,
                       keep_every=self.config.keep_every, metadata=self._metadata(), extras_dir=extras_dir,
                       consolidated=consolidated, max_shard_bytes=max_shard_bytes, tiered=tiered,
-                      node_ranks=self._node_ranks if tiered else (), started=started)
+                      node_ranks=self._node_ranks if tiered else (), overwrites=agreed.overwrites, started=started)
         if self._local is not None:
             metrics = {**metrics, "tier": "local" if tiered else "durable"}
         handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes, **metrics)
@@ -418,14 +446,13 @@ class AsyncCheckpointer:
         return handle
 
     def _agree(self, storage: Storage, tag: str, *, replace_export: bool = False,
-               tiered: bool = False) -> tuple[str, bool]:
+               tiered: bool = False) -> _Agreement:
         """One collective on the training thread: same tag everywhere, a fresh save id, tag not committed
         (or uncommitted first: with ``overwrite_tags``, or with ``replace_export`` where the committed tag
         is an earlier consolidated save, as DeepSpeed overwrites its 16-bit model file).
 
         With ``tiered``, also whether the save goes to the local tier (every rank's node folder has
         room; else straight to the URL), and the drains to resume, which rank 0 lists after one failed.
-        Returns ``(save id, to the local tier)``.
 
         An earlier save's failure is raised here, after the collective, on every rank at once (with
         ``on_error="raise"``): the rank whose write failed knows it before the others learn it from
@@ -440,24 +467,25 @@ class AsyncCheckpointer:
             try:
                 committed = storage.exists(manifest_path(tag)) or (tiered and self._local.exists(manifest_path(tag)))
                 redrain = self._drains_to_resume() if tiered and self._drain_failed else []
-                proposal = (uuid.uuid4().hex, committed,
-                            committed and replace_export and _is_consolidated(storage, tag), redrain)
+                proposal = _Proposal(uuid.uuid4().hex, committed,
+                                     committed and replace_export and _is_consolidated(storage, tag), redrain)
             except Exception as exc:  # raised below, on every rank
                 problem = exc
-        views = self._gather((tag, proposal, room, self._failure_to_report(), brief(problem) if problem else None))
-        self._surface_errors([v[3] for v in views])
+        views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),
+                                                brief(problem) if problem else None))
+        self._surface_errors([v.failure for v in views])
         if problem is not None:
             raise problem
-        if views[0][4] is not None:
+        if views[0].problem is not None:
             raise StorageError(f"rank 0 could not check tag {tag!r} at {storage.url} before the save "
-                               f"({views[0][4]}); nothing was written. Check the storage, then save again")
-        tags = {v[0] for v in views}
+                               f"({views[0].problem}); nothing was written. Check the storage, then save again")
+        tags = {v.tag for v in views}
         if len(tags) > 1:
             if self.engine.checkpoint_tag_validation_fail():
                 self.engine._checkpoint_tag_validation(tag)  # DeepSpeed's own check raises its own error
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
-        save_id, committed, replaceable, redrain = views[0][1]
+        save_id, committed, replaceable, redrain = views[0].proposal  # type: ignore[misc]
         if committed and not (replaceable or self.config.overwrite_tags):
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "
@@ -469,11 +497,11 @@ class AsyncCheckpointer:
             if tiered and self._local.exists(manifest_path(tag)):
                 self._local.delete(manifest_path(tag))
         self._start_drains(redrain)
-        full = [f"rank {r}: {why}" for r, (_, _, (fits, why), *_) in enumerate(views) if not fits]
+        full = [f"rank {r}: {v.room[1]}" for r, v in enumerate(views) if not v.room[0]]
         if full and self.rank == 0:
             logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,
                            "; ".join(full), storage.url)
-        return save_id, tiered and not full
+        return _Agreement(save_id, tiered and not full, committed)
 
     # ------------------------------------------------------------------ tiers
     def _open_local_tier(self, path: str) -> None:
@@ -739,8 +767,8 @@ class AsyncCheckpointer:
         if not saved:  # DeepSpeed declined (ZeRO-3 without gathering on save) on every rank alike
             return False
         gather_s = time.perf_counter() - entered - snapshot_s
-        save_id, _ = self._agree(storage, tag, replace_export=True)
-        self._submit(storage, tag, save_id, files, CopyTicket([]), started, save_latest=False, extras_dir=None,
+        agreed = self._agree(storage, tag, replace_export=True)
+        self._submit(storage, tag, agreed, files, CopyTicket([]), started, save_latest=False, extras_dir=None,
                      consolidated=True, metrics={"buffer_wait_s": waited, "gather_s": gather_s,
                                                  "snapshot_s": snapshot_s})
         return True

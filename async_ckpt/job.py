@@ -41,6 +41,9 @@ class SaveJob:
     #: With a local tier: the ranks that share this rank's node folder (the first one, if not rank 0,
     #: writes the published manifest there).
     node_ranks: tuple[int, ...] = ()
+    #: The tag was a committed checkpoint, uncommitted for this save to overwrite (``overwrite_tags``, or
+    #: an export replacing an earlier one): should the save fail, the tag stays uncommitted.
+    overwrites: bool = False
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
 

@@ -27,8 +27,14 @@ from async_ckpt.manifest import FileEntry
 from async_ckpt.serialization import Lending, write_torch_file
 
 logger = logging.getLogger("async_ckpt")
-#: Said of every failed save: the commit never began, or aborted before the manifest.
-_UNCHANGED = "The previous checkpoint and 'latest' are unchanged."
+def _what_stays(job: SaveJob) -> str:
+    """The sentence a failed save's error ends with: what the failure left as it was (the commit never
+    began, or aborted before the manifest)."""
+    if not job.overwrites:
+        return "The previous checkpoint and 'latest' are unchanged."
+    return (f"Tag {job.tag!r} was committed before this save uncommitted it to write it again, so it stays "
+            "uncommitted (its files half overwritten): checkpoint.load() takes the newest other committed tag. "
+            f"'latest' is unchanged; if it names {job.tag!r}, DeepSpeed's own load_checkpoint would read those files")
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -146,7 +152,7 @@ class BackgroundWriter:
             job.release_buffers()
             what = (f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} during {current}: "
                     f"{type(exc).__name__}: {exc}")
-            error = SaveFailedError(f"{what}. {_UNCHANGED}", tag=job.tag)
+            error = SaveFailedError(f"{what}. {_what_stays(job)}", tag=job.tag)
             error.__cause__ = exc
             try:
                 commit.report_failure(job, what)  # the others add the sentence on what is unchanged themselves
@@ -162,7 +168,7 @@ class BackgroundWriter:
                                      f"rank {job.rank} ({brief(exc)}); this rank's files stay for `async-ckpt gc`")
         self._acknowledge(job)
         if not outcome.committed:
-            self._fail(job, SaveFailedError(f"{outcome.error}. {_UNCHANGED}",
+            self._fail(job, SaveFailedError(f"{outcome.error}. {_what_stays(job)}",
                                             tag=job.tag), written, cleanup=outcome.cleanup)
             return
         handed_over = job.tiered and self._on_local_commit is not None

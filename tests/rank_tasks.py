@@ -285,6 +285,22 @@ def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "EN
     return seen
 
 
+def failing_overwrite_of_a_committed_tag(root: str) -> dict:
+    """With overwrite_tags, rank 1's write of a second save of the committed tag 't' fails."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
+        ckpt.save(tag="t").result(timeout=60)
+    faults = {"fail_ranks": [1]}
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, overwrite_tags=True) as ckpt:
+        error = ckpt.save(tag="t").exception(timeout=120)
+    dist.barrier()
+    return {"handle_error": str(error), "t_committed": os.path.exists(f"{root}/t/async_ckpt_manifest.json")}
+
+
 def failure_known_to_one_rank_first(root: str) -> dict:
     """With ``on_error="raise"``: rank 1's write of tag 'bad' fails at once, while rank 0's is held (a
     gate opened 2 s into the next save), so only rank 1 knows of the failure when both call save() again."""

@@ -85,3 +85,10 @@ def test_slow_storage_delays_durability_not_training(ranks, tmp_path):
     for rank in out:
         assert rank["steps"] == 2 and rank["done_after_steps"] is False
         assert rank["tag"] == "slow" and rank["latest"] == "slow"
+
+
+def test_a_failed_overwrite_says_the_tag_stays_uncommitted_not_that_the_checkpoint_is_unchanged(ranks, tmp_path):
+    for rank in ranks.run(rank_tasks.failing_overwrite_of_a_committed_tag, str(tmp_path / "ckpt")):
+        assert rank["t_committed"] is False
+        assert "'latest' are unchanged" not in rank["handle_error"]
+        assert "'t' was committed before this save uncommitted it" in rank["handle_error"]
