@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from typing import Callable
@@ -206,7 +207,10 @@ class BackgroundWriter:
         return os.path.join(self._cache_dir, "scratch")
 
     def _fail(self, job: SaveJob, error: SaveFailedError, written: list[FileEntry], *, cleanup: bool) -> None:
-        """Resolve the handle with ``error``; remove this rank's files of the tag if no manifest can appear."""
+        """Resolve the handle with ``error``; remove this rank's files of the tag if no manifest can appear,
+        and the tokenizer and config saved for it (they would stay in the shadow folder until close)."""
+        if job.extras_dir:
+            shutil.rmtree(job.extras_dir, ignore_errors=True)
         for entry in written if cleanup else []:
             try:
                 job.storage.delete(f"{job.tag}/{entry.path}")
