@@ -680,8 +680,11 @@ class AsyncCheckpointer:
         """Keep ``handle`` until its save ends. Ended ones are let go here as well as in :meth:`wait`, so
         a run that saves without ever waiting does not hold every handle it made (a failure reaches the
         user through ``_record_failure``, not through this list)."""
-        self._handles = [h for h in self._handles if not h.done()]
+        self._forget_ended_handles()
         self._handles.append(handle)
+
+    def _forget_ended_handles(self) -> None:
+        self._handles = [h for h in self._handles if not h.done()]
 
     def _await_handles(self, timeout_s: float, *, local_only: bool = False) -> None:
         """Every save so far committed (durably, or with ``local_only`` on its first tier) or failed,
@@ -690,7 +693,7 @@ class AsyncCheckpointer:
         for handle in list(self._handles):
             self._bounded(handle.wait_local if local_only else handle.wait, handle.tag, "the save to commit",
                           max(0.0, deadline - time.monotonic()))
-        self._handles = [h for h in self._handles if not h.done()]
+        self._forget_ended_handles()
 
     def _bounded(self, done: Callable[[float], bool], tag: str, what: str, timeout_s: float) -> None:
         """Call ``done(slice)`` until it returns true; log every minute; :class:`WaitTimeoutError` after ``timeout_s``.
