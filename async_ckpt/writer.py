@@ -28,14 +28,17 @@ from async_ckpt.manifest import FileEntry
 from async_ckpt.serialization import Lending, write_torch_file
 
 logger = logging.getLogger("async_ckpt")
+
+
 def _what_stays(job: SaveJob) -> str:
     """The sentence a failed save's error ends with: what the failure left as it was (the commit never
     began, or aborted before the manifest)."""
     if not job.overwrites:
         return "The previous checkpoint and 'latest' are unchanged."
     return (f"Tag {job.tag!r} was committed before this save uncommitted it to write it again, so it stays "
-            "uncommitted (its files half overwritten): checkpoint.load() takes the newest other committed tag. "
-            f"'latest' is unchanged; if it names {job.tag!r}, DeepSpeed's own load_checkpoint would read those files")
+            "uncommitted (its files may be half overwritten): checkpoint.load() takes the newest other committed "
+            f"tag. 'latest' is unchanged; if it names {job.tag!r}, DeepSpeed's own load_checkpoint would read those "
+            "files.")
 
 
 def lower_thread_priority(nice: int) -> None:
