@@ -790,7 +790,8 @@ class AsyncCheckpointer:
 
         Hugging Face Trainer saves every checkpoint into a new ``checkpoint-N`` folder, so without this
         a long run would keep one storage per save open, each with its upload threads on S3."""
-        busy = {handle.url for handle in self._handles if not handle.done()}
+        self._forget_ended_handles()
+        busy = {handle.url for handle in self._handles}
         for key, storage in list(self._storages.items()):
             if storage is not self.storage and storage.url not in busy:
                 storage.close()

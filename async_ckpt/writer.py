@@ -159,7 +159,7 @@ class BackgroundWriter:
             error = SaveFailedError(f"{what}. {_what_stays(job)}", tag=job.tag)
             error.__cause__ = exc
             try:
-                commit.report_failure(job, what)  # the others add the sentence on what is unchanged themselves
+                commit.report_failure(job, what)  # each other rank adds _what_stays itself
             except Exception as store_exc:  # without a report no rank can commit the tag either
                 logger.debug("could not report the failure of tag %s: %s", job.tag, store_exc)
             self._acknowledge(job)
