@@ -46,7 +46,7 @@ def validate_tag(tag: object) -> str:
 def installed_recovery_scripts() -> dict[str, str]:
     """Of DeepSpeed's recovery scripts, those the installed release ships: name -> local path.
 
-    ``zero_to_fp32.py`` is in every supported release; ``zero_to_torch.py`` only from 0.19.7 on.
+    Every supported release ships both; a release that drops one gets no copy of it, not an error.
     """
     import deepspeed
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import io
 import os
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import s3_tasks
+from rank_tasks import same_tensors
 from s3_server import FaultProxy, options
 
 
@@ -86,6 +89,18 @@ def test_zero_to_fp32_on_a_plain_download_equals_stock(in_bucket, s3):
     stock = get_fp32_state_dict_from_zero_checkpoint(str(in_bucket["work"] / "stock"))
     assert ours.keys() == stock.keys()
     assert all(torch.equal(ours[k], stock[k]) for k in stock)
+
+
+def test_optimizer_state_in_the_bucket_equals_stock_deepspeeds_at_the_same_step(in_bucket, s3):
+    """Adam's moments included, which zero_to_fp32 does not read."""
+    client, tag = s3.client(), in_bucket["saved"][0]["tag"]
+    for rank in range(2):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        body = client.get_object(Bucket=in_bucket["bucket"], Key=f"run1/{tag}/{name}")["Body"].read()
+        ours = torch.load(io.BytesIO(body), weights_only=False)["optimizer_state_dict"]
+        stock_path, = glob.glob(str(in_bucket["work"] / "stock" / "*" / name))
+        stock = torch.load(stock_path, weights_only=False)["optimizer_state_dict"]
+        assert same_tensors(ours, stock) and same_tensors(stock, ours)
 
 
 @pytest.fixture(scope="module")
