@@ -77,7 +77,7 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
                                                 f"{type(exc).__name__}: {exc}. The tag's files stay for "
                                                 "`async-ckpt gc`"))
     job.handle.metrics["commit_s"] = time.perf_counter() - started
-    return _publish(job, Outcome(True, warnings=_after_commit(job),
+    return _publish(job, Outcome(True, warnings=_after_commit(job, manifest),
                                  manifest=everything.to_json().decode() if job.tiered else None))
 
 
@@ -186,17 +186,21 @@ def _manifest(job: SaveJob, entries: list[FileEntry]) -> Manifest:
         files=sorted(entries, key=lambda e: (e.path, e.rank)),
         versions=dict(job.metadata.get("versions", {})),
         timings={k: round(float(v), 6) for k, v in job.handle.metrics.items() if k.endswith("_s")},
-        created_unix=time.time(),
+        created_unix=float(job.metadata.get("created_unix", time.time())),  # a drain keeps its save's time
         save_id=job.save_id,
         sets_latest=job.save_latest,
         consolidated=job.consolidated,
     )
 
 
-def _after_commit(job: SaveJob) -> list[str]:
+def _after_commit(job: SaveJob, manifest: Manifest) -> list[str]:
     """``latest``, scratch removal and retention: each may fail; none of them un-commits the tag."""
     storage, warnings = job.storage, []
-    if job.save_latest:
+    later = _later_save_named_by_latest(job, manifest)
+    if later is not None:
+        logger.info("tag %s reached %s after %s, a later save: 'latest' stays on %s", job.tag, storage.url, later,
+                    later)
+    elif job.save_latest:
         try:
             storage.write_bytes(LATEST, job.tag.encode())
         except Exception as exc:
@@ -217,6 +221,24 @@ def _after_commit(job: SaveJob) -> list[str]:
     for warning in warnings:
         logger.warning("tag %s is committed, but %s", job.tag, warning)
     return warnings
+
+
+def _later_save_named_by_latest(job: SaveJob, manifest: Manifest) -> str | None:
+    """For a drain (a save committed on the local tier earlier, copied to the URL now): the tag ``latest``
+    names at the URL if that is a later save, by step and save time as :func:`~async_ckpt.tiers.choose_tag`
+    orders them; else ``None``. A save goes straight to the URL when the local tier is full, and may
+    commit there while an older tag's drain still waits. A fresh save always moves ``latest``."""
+    if not job.save_latest or "created_unix" not in job.metadata:
+        return None
+    try:
+        named = read_latest(job.storage)
+        other = read_manifest(job.storage, named) if named not in (None, job.tag) else None
+    except Exception as exc:  # an unreadable 'latest' or manifest is replaced, as without a drain
+        logger.debug("could not read what 'latest' names at %s: %s", job.storage.url, exc)
+        return None
+    if other is None or (other.step, other.created_unix) <= (manifest.step, manifest.created_unix):
+        return None
+    return named
 
 
 def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: int | None = None) -> list[str]:

@@ -56,9 +56,12 @@ class DrainJob:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """What the durable commit records besides the files: the local commit's own record."""
+        """What the durable commit records besides the files: the local commit's own record. Its time
+        too, so that a tag saved straight to the URL while this drain waited stays the newer one there
+        (the durable commit does not move ``latest`` back to an older save)."""
         m = self.manifest
-        return {"step": m.step, "zero_stage": m.zero_stage, "dtype": m.dtype, "versions": m.versions}
+        return {"step": m.step, "zero_stage": m.zero_stage, "dtype": m.dtype, "versions": m.versions,
+                "created_unix": m.created_unix}
 
 
 @dataclass(frozen=True)

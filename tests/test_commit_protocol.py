@@ -17,8 +17,10 @@ import torch.distributed as dist
 import commit_tasks
 from async_ckpt import ConfigError, CorruptManifestError
 from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
+from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.cli import main
 from async_ckpt.config import CheckpointConfig
+from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.gc import collect_garbage
 from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake
@@ -279,3 +281,59 @@ def test_the_handshake_leaves_no_keys_in_the_store(tmp_path):
     runs = run_save(lambda rank: CountingStorage(open_storage(str(tmp_path))), stores, "t")
     assert all(r.outcome.committed for r in runs)
     assert [key for key in server.list_keys() if "async_ckpt/" in key] == []
+
+
+# ---------------------------------------------------------------- drains and 'latest' (one thread rank)
+
+
+def _save_one_rank(root: str, tag: str, step: int) -> None:
+    """A save of ``tag`` at ``step`` by one rank's background writer, committed in ``root``."""
+    save_id = uuid.uuid4().hex
+    job = SaveJob(tag=tag, save_id=save_id, storage=open_storage(root), rank=0, world_size=1,
+                  files=[StagedFile(f"{tag}/rank0.pt", {"step": step}, 0)], ticket=CopyTicket([]),
+                  handle=SaveHandle(tag=tag, url=root), handshake=Handshake(dist.HashStore(), save_id, 0, 1),
+                  save_latest=True, keep_last=None, keep_every=None, metadata={"step": step})
+    writer = BackgroundWriter(0, 30, lambda e: None, cache_dir=os.path.join(root, ".cache"))
+    writer.submit(job)
+    writer.stop()
+    assert writer.join(60)
+    job.handle.result(timeout=0)
+
+
+def _drain_one_rank(local_root: str, durable_root: str, tag: str) -> None:
+    """Drain ``tag``, committed in the node folder ``local_root``, to ``durable_root``."""
+    local, durable = open_storage(local_root), open_storage(durable_root)
+    target = DrainTarget(local=local, durable=durable, keep_last=None, keep_every=None, local_keep_last=10,
+                         tier_leader=True)
+    drainer = Drainer(0, 1, dist.HashStore(), target, 30, lambda error, job: None)
+    handle = SaveHandle(tag=tag, url=durable_root)
+    drainer.submit(DrainJob(manifest=read_manifest(local, tag), drain_id=uuid.uuid4().hex, handle=handle))
+    drainer.stop()
+    assert drainer.join(60)
+    handle.result(timeout=0)
+
+
+def test_a_drain_that_ends_after_a_later_save_reached_the_url_leaves_latest_on_the_later_save(tmp_path):
+    local, durable = str(tmp_path / "node"), str(tmp_path / "bucket")
+    _save_one_rank(local, "a", step=10)  # committed on the node, its drain still queued
+    _save_one_rank(durable, "b", step=20)  # the node folder was full: straight to the URL
+    _drain_one_rank(local, durable, "a")
+    assert read_manifest(open_storage(durable), "a") is not None
+    assert read_latest(open_storage(durable)) == "b"
+
+
+def test_a_drain_of_the_newest_save_moves_latest_at_the_url(tmp_path):
+    local, durable = str(tmp_path / "node"), str(tmp_path / "bucket")
+    _save_one_rank(durable, "a", step=10)
+    _save_one_rank(local, "b", step=20)
+    _drain_one_rank(local, durable, "b")
+    assert read_latest(open_storage(durable)) == "b"
+
+
+def test_a_drained_manifest_keeps_the_time_of_its_save(tmp_path):
+    local, durable = str(tmp_path / "node"), str(tmp_path / "bucket")
+    _save_one_rank(local, "a", step=10)
+    time.sleep(0.05)
+    _drain_one_rank(local, durable, "a")
+    saved, drained = read_manifest(open_storage(local), "a"), read_manifest(open_storage(durable), "a")
+    assert drained.created_unix == saved.created_unix
