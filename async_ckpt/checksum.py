@@ -1,14 +1,20 @@
-"""CRC-32 arithmetic: the manifest's checksum of a whole file from the checksums of its pieces.
+"""CRC-32 arithmetic: one checksum pass per byte, spread over threads, serving the zip and the manifest.
 
-torch.save already computes a CRC-32 of every record it writes (the zip format requires one).
-Computing the file's CRC-32 again over the same gigabytes costs as much CPU as torch's own pass,
-on the cores training needs. CRC-32 is linear, so the checksum of a concatenation follows from
-the checksums of its parts and the length of the second: :func:`crc32_combine` does that in
-a few microseconds, whatever the length (polynomial arithmetic modulo the CRC polynomial, the
-method zlib's own ``crc32_combine`` uses; Python's zlib module does not expose it).
+A torch.save file needs the CRC-32 of every record (the zip format), and the manifest the CRC-32
+of the whole file. Computing both over the same gigabytes would cost two passes of CPU, on the
+cores training needs. CRC-32 is linear, so the checksum of a concatenation follows from the
+checksums of its parts and the length of the second: :func:`crc32_combine` does that in a few
+microseconds, whatever the length (polynomial arithmetic modulo the CRC polynomial, the method
+zlib's own ``crc32_combine`` uses; Python's zlib module does not expose it). The same property lets
+:func:`crc32_in_pieces` checksum a large buffer in pieces on several threads, each piece as soon as
+its staging copy is done.
 """
 
 from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Executor
 
 _POLY = 0xEDB88320  # the CRC-32 polynomial, bit-reflected
 _X0 = 1 << 31  # the polynomial x^0 in the reflected representation
@@ -57,3 +63,31 @@ def _shift(crc: int, nbytes: int) -> int:
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)``."""
     return _shift(crc1, len2) ^ crc2 if len2 else crc1
+
+
+def crc32_in_pieces(memory: memoryview, pool: Executor, piece: int,
+                    ready: Callable[[int], None] | None = None) -> Callable[[], int]:
+    """Start the CRC-32 of ``memory`` on ``pool``, one task per ``piece`` bytes, and return a function that
+    waits for the tasks and combines their CRC-32s.
+
+    Each task first calls ``ready(end)`` (the staging copy has reached byte ``end``) where given, so a
+    buffer is checksummed piece by piece as its copy goes; ``zlib.crc32`` lets go of the GIL, so
+    the pieces run on as many cores as the pool has threads.
+    """
+    tasks = [(min(piece, memory.nbytes - start), pool.submit(_crc_of_piece, memory, start, piece, ready))
+             for start in range(0, memory.nbytes, piece)]
+
+    def result() -> int:
+        crc = 0
+        for length, task in tasks:
+            crc = crc32_combine(crc, task.result(), length)
+        return crc
+
+    return result
+
+
+def _crc_of_piece(memory: memoryview, start: int, piece: int, ready: Callable[[int], None] | None) -> int:
+    end = min(start + piece, memory.nbytes)
+    if ready is not None:
+        ready(end)
+    return zlib.crc32(memory[start:end])

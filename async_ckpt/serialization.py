@@ -6,11 +6,13 @@ thin wrapper that records the size and CRC-32 the manifest needs, without a copy
 memory. The records stay torch's own (same bytes as any torch.save into a stream); what this
 module controls is what happens to them. For a snapshot, whose storages are staging buffers that
 outlive the write, the large records are *lent* to storage rather than copied (the local backend
-writes them with ``O_DIRECT`` straight from the buffer) and are not checksummed a second time:
-torch.save has already put each record's CRC-32 into the zip data descriptor after it
+writes them with ``O_DIRECT`` straight from the buffer). Every byte is checksummed once: the
+CRC-32s torch.save's zip needs are computed by async_ckpt (:mod:`async_ckpt.torch_zip`), the large
+buffers' on :data:`CRC_THREADS` threads, piece by piece as their staging copies complete
+(:func:`checksum_ahead`), and the manifest's CRC-32 of the file is folded from them
 (:class:`ChecksumWriter`, :mod:`async_ckpt.checksum`). Measured on the development machine, a
-600 MB optimizer file: 0.6 s of CPU before (torch's CRC, ours, the copy into the bounce buffer),
-0.2 s now (torch's CRC alone); see benchmarks/RESULTS.md.
+600 MB optimizer file: 0.6 s of CPU on the writer thread with torch's CRC, ours and a bounce copy;
+see benchmarks/RESULTS.md for what is left.
 
 One detail decides whether the bytes equal DeepSpeed's own: ``torch.save`` names the zip records
 after the file (``zero_pp_rank_0_mp_rank_00_optim_states/data.pkl``) only when it is given a
@@ -23,24 +25,30 @@ records, so a pipe the reader thread has not drained deadlocks the process.)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import pickle
 import shutil
-import struct
 import tempfile
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
-import torch.utils.serialization  # torch.save's settings (compute_crc32)
 
-from async_ckpt.checksum import crc32_combine, format_crc
+from async_ckpt import torch_zip
+from async_ckpt.checksum import crc32_combine, crc32_in_pieces, format_crc
 from async_ckpt.manifest import FileEntry
+from async_ckpt.staging import COPY_PIECE
 from async_ckpt.storage.base import IO_CHUNK, LEND_MIN, Storage, buffer_address
+from async_ckpt.torch_zip import Crc
+
+#: Threads per file that checksum its large staging buffers (``zlib.crc32`` runs without the GIL).
+CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -95,17 +103,20 @@ class _Discard:
 class ChecksumWriter:
     """Write-only stream that forwards every byte and keeps a running size and CRC-32.
 
+    ``write(data, crc=...)`` takes the CRC-32 of ``data`` where the caller has it (the records
+    :mod:`async_ckpt.torch_zip` hands over, each checksummed once for the zip and the manifest alike:
+    an int, or a function that waits for it); other bytes are checksummed here as they pass.
     With a :class:`Lending` and a sink that has ``write_borrowed``, the large tensor records torch.save
-    hands over from that memory are lent to the sink instead of copied, and are not checksummed
-    again: torch.save writes each record's CRC-32 in the zip data descriptor that follows it, and
-    :func:`~async_ckpt.checksum.crc32_combine` folds those into the file's CRC-32. A record whose
-    descriptor is not found (or with torch's CRC turned off) is checksummed here at the end.
+    hands over from that memory are lent to the sink instead of copied;
+    :func:`~async_ckpt.checksum.crc32_combine` folds the records' CRC-32s into the file's. A lent
+    record without a CRC-32 (torch computing its own, see :func:`~async_ckpt.torch_zip.fills_like_torch`)
+    is checksummed here at the end.
 
-    With ``await_copy`` (a snapshot whose staging copies may still run), torch.save reads no storage
-    before its copy is done: torch computes a record's CRC-32 before it writes the record, so the
-    wait for storage *k* happens when the data of storage *k-1* has been handed over (the order is
-    :func:`storage_order`'s); a storage met out of that order fails the write rather than risk
-    bytes read before their copy.
+    With ``await_copy`` (a snapshot whose staging copies may still run), no storage is read before its
+    copy is done: the wait for storage *k* happens when the data of storage *k-1* has been handed over
+    (torch, where it computes the CRC-32s itself, reads a record before it writes the record's header;
+    the order is :func:`storage_order`'s); a storage met out of that order fails the write rather
+    than risk bytes read before their copy.
 
     The first error the sink raises is kept in ``error``: torch.save's zip writer turns a failing
     ``write()`` into "unexpected pos N vs M", which names neither the errno nor its cause.
@@ -119,15 +130,13 @@ class ChecksumWriter:
         self._unwritten = set(self._order)
         self._next = -1  # index in _order of the storage whose record torch.save writes next (-1: none yet)
         self._lending = lending if lending is not None and hasattr(sink, "write_borrowed") else None
-        self._trust_descriptors = self._lending is not None and torch_writes_crc32()
         self.size = 0
-        self._crc = 0  # CRC-32 and length of the bytes since the last lent record
+        self._crc = 0  # CRC-32 and length of the bytes since the last piece set aside
         self._run = 0
-        self._pieces: list[list[Any]] = []  # [crc or None, length, view] in file order, before self._crc
-        self._awaiting: list[Any] | None = None  # the lent record whose data descriptor comes next
+        self._pieces: list[tuple[Crc | None, int, memoryview | None]] = []  # in file order, before self._crc
         self.error: BaseException | None = None
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any, crc: Crc | None = None) -> int:
         view = memoryview(data).cast("B")
         try:
             if self._next < 0 and self._order:  # the first record (torch pickled the object before it)
@@ -139,18 +148,19 @@ class ChecksumWriter:
                 raise RuntimeError(
                     f"torch.save wrote the storage at {address:#x} out of the order async_ckpt "
                     "predicted; the file is not written. Save with overlap_copy=False and report this")
-            if self._lendable(view):
-                self._awaiting = [None, view.nbytes, view]
-                self._pieces += [[self._crc, self._run, None], self._awaiting]
+            lent = self._lendable(view)
+            if lent or callable(crc):  # its CRC-32 is taken later: when it is ready, or at the end
+                self._pieces += [(self._crc, self._run, None), (crc, view.nbytes, view if crc is None else None)]
                 self._crc = self._run = 0
+            else:
+                self._crc = zlib.crc32(view, self._crc) if crc is None else crc32_combine(self._crc, crc, view.nbytes)
+                self._run += view.nbytes
+            if lent:
                 lending, copied = self._lending, getattr(self._sink, "copied_bytes", 0)
                 self._sink.write_borrowed(view)  # type: ignore[attr-defined]
                 lending.lent_bytes += view.nbytes  # type: ignore[union-attr]
                 lending.copied_bytes += getattr(self._sink, "copied_bytes", 0) - copied  # type: ignore[union-attr]
             else:
-                self._take_descriptor(view)
-                self._crc = zlib.crc32(view, self._crc)
-                self._run += view.nbytes
                 self._write_all(view)
             if expected:
                 self._unwritten.discard(self._order[self._next])
@@ -165,14 +175,13 @@ class ChecksumWriter:
 
     def write_ahead(self) -> None:
         """Start writing every lent buffer whose file offset the previous save recorded (the sink writes
-        each piece of it once its copy reached that piece, while torch.save still computes the CRC-32 of
-        the records before it), in the order the copies run."""
+        each piece of it once its copy reached that piece, while torch.save still hands over the
+        records before it), in the order the copies run."""
         if self._lending is None or not hasattr(self._sink, "write_ahead"):
             return
-        rank = {address: i for i, address in enumerate(self._order)}
-        for address, size in sorted(self._lending.regions, key=lambda region: rank.get(region[0], len(rank))):
+        for address, size in in_copy_order(self._lending.regions, self._order):
             offset = self._lending.placements.get(address)
-            if offset is not None and size >= LEND_MIN:
+            if offset is not None:
                 ready = functools.partial(self._await_copy, address) if self._await_copy is not None else None
                 self._sink.write_ahead((ctypes.c_char * size).from_address(address), offset, ready=ready)
 
@@ -186,18 +195,6 @@ class ChecksumWriter:
         self._lending.placements[start] = self.size
         return True
 
-    def _take_descriptor(self, view: memoryview) -> None:
-        """Take the CRC-32 of the lent record just written from its zip data descriptor:
-        signature, CRC-32, then compressed and uncompressed sizes (4 bytes each, 8 in zip64)."""
-        record, self._awaiting = self._awaiting, None
-        if record is None or not self._trust_descriptors or view.nbytes not in (16, 24):
-            return
-        raw = view.tobytes()
-        sizes = struct.unpack("<II" if len(raw) == 16 else "<QQ", raw[8:])
-        if raw[:4] == b"PK\x07\x08" and sizes == (record[1], record[1]):
-            record[0] = struct.unpack("<I", raw[4:8])[0]
-            record[2] = None
-
     def _write_all(self, view: memoryview) -> None:
         written = 0
         while written < view.nbytes:  # raw file objects may write short
@@ -209,7 +206,8 @@ class ChecksumWriter:
         """CRC-32 of everything written so far."""
         crc = 0
         for piece_crc, length, view in self._pieces:
-            crc = crc32_combine(crc, zlib.crc32(view) if piece_crc is None else piece_crc, length)
+            known = zlib.crc32(view) if piece_crc is None else piece_crc if isinstance(piece_crc, int) else piece_crc()
+            crc = crc32_combine(crc, known, length)
         return crc32_combine(crc, self._crc, self._run)
 
     def flush(self) -> None:
@@ -218,9 +216,36 @@ class ChecksumWriter:
             flush()
 
 
-def torch_writes_crc32() -> bool:
-    """Whether torch.save computes the CRC-32 of its records (a ``torch.utils.serialization`` setting)."""
-    return bool(torch.utils.serialization.config.save.compute_crc32)
+def in_copy_order(regions: Sequence[tuple[int, int]], order: Sequence[int]) -> list[tuple[int, int]]:
+    """The large ``regions`` (address, size) of a snapshot, those in ``order`` (the storages' copy order)
+    first and in it: the order in which their bytes become ready."""
+    rank = {address: i for i, address in enumerate(order)}
+    return sorted((r for r in regions if r[1] >= LEND_MIN), key=lambda region: rank.get(region[0], len(rank)))
+
+
+def checksum_ahead(regions: Sequence[tuple[int, int]], order: Sequence[int], await_copy: AwaitCopy | None,
+                   pool: Executor) -> dict[tuple[int, int], Callable[[], int]]:
+    """Start the CRC-32 of every large staging buffer on ``pool``, piece by piece as its copy goes, in
+    copy order: the records' CRC-32s for :mod:`async_ckpt.torch_zip`, by (address, size)."""
+    crcs = {}
+    for address, size in in_copy_order(regions, order):
+        ready = functools.partial(await_copy, address) if await_copy is not None else None
+        memory = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+        crcs[(address, size)] = crc32_in_pieces(memory, pool, COPY_PIECE, ready)
+    return crcs
+
+
+@contextlib.contextmanager
+def _crc_threads(needed: bool) -> Iterator[Executor | None]:
+    """Threads for :func:`checksum_ahead`, stopped (queued pieces dropped) when the file is done or failed."""
+    if not needed:
+        yield None
+        return
+    pool = ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="async_ckpt-crc")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, rank: int,
@@ -237,13 +262,15 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
     """
     if scratch_dir is None:
         order = storage_order(obj) if await_copy is not None else []
-        with storage.open_write(relpath) as stream:
+        regions = lending.regions if lending is not None else ()
+        with storage.open_write(relpath) as stream, _crc_threads(bool(in_copy_order(regions, order))) as pool:
             writer = ChecksumWriter(stream, lending, await_copy=await_copy, order=order)
+            record_crcs = checksum_ahead(regions, order, await_copy, pool) if pool is not None else {}
             writer.write_ahead()
             try:
-                torch.save(obj, writer)
+                torch_zip.save(obj, writer, record_crcs)
             except Exception as torch_error:
-                if writer.error is not None:
+                if writer.error is not None and writer.error is not torch_error:
                     raise writer.error from torch_error  # the storage's own error, not torch's "unexpected pos"
                 raise
             writer.flush()

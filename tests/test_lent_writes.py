@@ -17,6 +17,7 @@ import zlib
 import pytest
 import torch
 
+from async_ckpt import checksum, torch_zip
 from async_ckpt.checksum import crc32_combine, format_crc
 from async_ckpt.serialization import ChecksumWriter, Lending, storage_order, write_torch_file
 from async_ckpt import staging
@@ -145,15 +146,32 @@ def test_direct_writer_lent_buffer_round_trips(direct_root, misalign):
     assert (writer.copied_bytes == 0) == (misalign == 0)
 
 
-def test_crc_is_computed_here_when_torch_does_not_write_one(direct_root):
-    import torch.utils.serialization as settings
+def test_lent_records_are_checksummed_on_the_crc_threads_not_the_writer_thread(direct_root, monkeypatch):
+    threads = []
+    piece = checksum._crc_of_piece
 
+    def noted(*args):
+        threads.append(threading.current_thread().name)
+        return piece(*args)
+
+    monkeypatch.setattr(checksum, "_crc_of_piece", noted)
+    staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                             lending=Lending(staged.regions, staged.placements))
+    written = (direct_root / "root" / "t" / "x.pt").read_bytes()
+    assert written == _torch_save_bytes(staged.obj) and entry.crc32 == format_crc(zlib.crc32(written))
+    assert len(threads) >= 4 and all(name.startswith("async_ckpt-crc") for name in threads)
+
+
+def test_lent_records_are_checksummed_at_the_end_where_torch_computes_the_crcs(direct_root, monkeypatch):
+    monkeypatch.setattr(torch_zip, "fills_like_torch", lambda: False)
     staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
     lending = Lending(staged.regions, staged.placements)
-    with settings.config.patch({"save.compute_crc32": False}):  # torch's own setter: restored on exit
-        entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
-                                 lending=lending)
-    assert lending.lent_bytes and entry.crc32 == format_crc(zlib.crc32((direct_root / "root" / "t" / "x.pt").read_bytes()))
+    entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                             lending=lending)
+    written = (direct_root / "root" / "t" / "x.pt").read_bytes()
+    assert lending.lent_bytes and written == _torch_save_bytes(staged.obj)
+    assert entry.crc32 == format_crc(zlib.crc32(written))
 
 
 @pytest.mark.parametrize("guess", [66, 66 + 4096, 10 * MiB], ids=["right", "wrong", "past_the_end"])

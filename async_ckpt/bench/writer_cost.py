@@ -4,10 +4,11 @@ The save benchmark measures the writer inside training, where two ranks and the 
 share the cores; this one isolates the writer: one process, no training, the same staged state
 written again and again to a local folder, alternating the two ways the writer can take:
 
-- ``copying``: every record copied into the ``O_DIRECT`` bounce buffers and checksummed again
-  for the manifest (the writer before staging memory was lent to storage);
+- ``copying``: every record copied into the ``O_DIRECT`` bounce buffers (the writer before staging
+  memory was lent to storage; what every byte costs where nothing is lent, as on S3), each
+  checksummed once as it streams;
 - ``lending``: large records written straight from the staging buffers (placed by the previous
-  write, and written ahead), their CRC-32 taken from torch.save's zip descriptors.
+  write, and written ahead), checksummed on the CRC threads as in a save.
 
 CPU time is what a busy training machine pays; wall time is what a quiet one waits.
 Run: ``python -m async_ckpt.bench.writer_cost --mb 600 --repeats 5 --dir /path/on/the/disk``.
