@@ -35,6 +35,12 @@ class SaveFailedError(AsyncCkptError):
         self.tag = tag
 
 
+class ZipLayoutError(AsyncCkptError):
+    """torch.save wrote its zip records in an order async_ckpt does not know; the file is not written.
+
+    Their CRC-32s cannot be filled in (:mod:`async_ckpt.torch_zip`). Report it with the torch version."""
+
+
 class CheckpointNotFoundError(AsyncCkptError, FileNotFoundError):
     """No checkpoint (or no such tag) exists at the destination."""
 

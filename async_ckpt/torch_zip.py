@@ -1,10 +1,14 @@
 """torch.save's zip records with CRC-32s computed by async_ckpt, so torch's own CRC pass leaves the writer thread.
 
 torch.save computes the CRC-32 of every record on the thread that calls it, record after record,
-before it writes each one: for a snapshot of hundreds of MB that serial pass is the longest chain
-of the write (0.3 s per 600 MB on a busy core of the development machine, longer than the disk
-needs). With torch's ``compute_crc32`` setting off (thread-local: only the writer thread's saves
-see it) torch writes the very same records with zeros in exactly three places:
+before it writes each one: one core checksums the whole file in sequence (0.3 s per 600 MB on a
+busy core of the development machine), and where the bytes are not lent to storage the manifest
+needed a second pass of its own. Computed here instead, each byte is checksummed once, for the zip
+and the manifest alike, and a large buffer on several threads as its staging copy completes. (On
+the 2-core development machine this did not shorten time to durable: there the overlapped copy and
+the disk are the chain; see benchmarks/RESULTS.md.) With torch's ``compute_crc32`` setting off
+(thread-local: only the writer thread's saves see it) torch writes the very same records with
+zeros in exactly three places:
 
 - the CRC-32 field of each record's data descriptor (``PK\\x07\\x08``, right after the data);
 - the CRC-32 field of each record's central-directory entry;
@@ -35,6 +39,7 @@ from typing import Any, BinaryIO
 import torch
 import torch.utils.serialization  # torch.save's settings (compute_crc32)
 
+from async_ckpt.errors import ZipLayoutError
 from async_ckpt.storage.base import buffer_address
 
 logger = logging.getLogger("async_ckpt")
@@ -47,10 +52,6 @@ _MASK64 = (1 << 64) - 1
 
 #: A record's CRC-32: known, or a function that waits for it.
 Crc = int | Callable[[], int]
-
-
-class ZipLayoutError(RuntimeError):
-    """torch.save wrote its zip in an order :class:`CrcFiller` does not know; the file is not written."""
 
 
 def hash_combine(seed: int, value: int) -> int:

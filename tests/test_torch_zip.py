@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from async_ckpt import torch_zip
-from async_ckpt.torch_zip import CrcFiller, ZipLayoutError
+from async_ckpt.errors import ZipLayoutError
+from async_ckpt.torch_zip import CrcFiller
 
 
 class _Sink:
