@@ -236,7 +236,7 @@ def _later_save_named_by_latest(job: SaveJob, manifest: Manifest) -> str | None:
     except Exception as exc:  # an unreadable 'latest' or manifest is replaced, as without a drain
         logger.debug("could not read what 'latest' names at %s: %s", job.storage.url, exc)
         return None
-    if other is None or (other.step, other.created_unix) <= (manifest.step, manifest.created_unix):
+    if other is None or other.recency <= manifest.recency:
         return None
     return named
 

@@ -121,7 +121,7 @@ class Drainer:
             newest = self._newest_drained
         retries = []
         for job in failed:
-            if newest is not None and (job.manifest.step, job.manifest.created_unix) <= newest:
+            if newest is not None and job.manifest.recency <= newest:
                 continue
             retry = DrainJob(manifest=job.manifest, drain_id=f"{job.drain_id}-retry", error=job.error,
                              handle=SaveHandle(tag=job.tag, url=job.handle.url, metrics=dict(job.handle.metrics)))
@@ -183,8 +183,7 @@ class Drainer:
         metrics.update(drain_s=time.perf_counter() - started, durable_s=time.perf_counter() - job.started,
                        durable_commit_s=commit_job.handle.metrics.get("commit_s", 0.0))
         with self._lock:
-            self._newest_drained = max(self._newest_drained or (job.manifest.step, job.manifest.created_unix),
-                                       (job.manifest.step, job.manifest.created_unix))
+            self._newest_drained = max(self._newest_drained or job.manifest.recency, job.manifest.recency)
         if target.tier_leader:
             try:
                 prune_local(target.local, target.durable, target.local_keep_last)

@@ -53,6 +53,11 @@ class Manifest:
     format: str = FORMAT
 
     @property
+    def recency(self) -> tuple[int, float]:
+        """How saves are ordered, newest last: by step, then by save time (a step saved again is newer)."""
+        return self.step, self.created_unix
+
+    @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 

@@ -89,7 +89,7 @@ def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
     """The newest committed tag older than ``manifest`` (for falling back after a failed check)."""
     older = [t.manifest for t in list_tags(storage) if t.committed and t.tag != manifest.tag
              and t.manifest.universal == manifest.universal and not t.manifest.consolidated
-             and (t.manifest.step, t.manifest.created_unix) < (manifest.step, manifest.created_unix)]
+             and t.manifest.recency < manifest.recency]
     return older[-1] if older else None
 
 

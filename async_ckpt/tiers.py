@@ -168,10 +168,10 @@ def undrained(local: Storage, durable: Storage, in_flight: set[str]) -> list[Man
             continue
         if info.tag in durable_tags and durable_tags[info.tag][3] == manifest.save_id:
             continue
-        if newest is not None and (manifest.step, manifest.created_unix) <= newest:
+        if newest is not None and manifest.recency <= newest:
             continue
         pending.append(manifest)
-    return sorted(pending, key=lambda m: (m.step, m.created_unix))
+    return sorted(pending, key=lambda m: m.recency)
 
 
 def estimate_save_bytes(engine: Any, world_size: int, previous: int) -> int:
