@@ -46,7 +46,7 @@ from async_ckpt.checksum import crc32_combine, crc32_in_pieces, format_crc
 from async_ckpt.manifest import FileEntry
 from async_ckpt.staging import COPY_PIECE
 from async_ckpt.storage.base import IO_CHUNK, LEND_MIN, Storage, buffer_address
-from async_ckpt.torch_zip import Crc
+from async_ckpt.torch_zip import Crc, resolve_crc
 
 #: Threads per file that checksum its large staging buffers (``zlib.crc32`` runs without the GIL).
 CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -207,8 +207,7 @@ class ChecksumWriter:
         """CRC-32 of everything written so far."""
         crc = 0
         for piece_crc, length, view in self._pieces:
-            known = zlib.crc32(view) if piece_crc is None else piece_crc if isinstance(piece_crc, int) else piece_crc()
-            crc = crc32_combine(crc, known, length)
+            crc = crc32_combine(crc, zlib.crc32(view) if piece_crc is None else resolve_crc(piece_crc), length)
         return crc32_combine(crc, self._crc, self._run)
 
     def flush(self) -> None:

@@ -170,7 +170,7 @@ class CrcFiller:
 
     def _descriptor(self, view: memoryview) -> None:
         patched = bytearray(view)
-        struct.pack_into("<I", patched, 4, _resolve(self._crcs[-1]))
+        struct.pack_into("<I", patched, 4, resolve_crc(self._crcs[-1]))
         self._expect = self._header
         self._sink.write(memoryview(patched), crc=None)
 
@@ -187,7 +187,7 @@ class CrcFiller:
         folded = 0
         for crc, hashed in zip(self._crcs, self._hashed):
             if hashed:
-                folded = hash_combine(folded, _resolve(crc))
+                folded = hash_combine(folded, resolve_crc(crc))
         return digits[:20] + b"%020d" % folded
 
     def _central_directory(self, tail: bytearray) -> bytearray:
@@ -198,7 +198,7 @@ class CrcFiller:
             name_len, extra_len, comment_len = struct.unpack_from("<HHH", tail, at + 28)
             self._check(tail[at + 46:at + 46 + name_len].decode("utf-8", "replace") == name,
                         f"the central-directory entry of {name}", memoryview(tail)[at:at + 46 + name_len])
-            struct.pack_into("<I", tail, at + 16, _resolve(self._crcs[index]))
+            struct.pack_into("<I", tail, at + 16, resolve_crc(self._crcs[index]))
             at += 46 + name_len + extra_len + comment_len
         self._check(tail[at:at + 4] != _CENTRAL_ENTRY, "the end of the central directory", memoryview(tail)[at:at + 4])
         return tail
@@ -216,7 +216,8 @@ class CrcFiller:
                                  f"expected {what}; its CRC-32s cannot be filled in. Report this with your torch version")
 
 
-def _resolve(crc: Crc) -> int:
+def resolve_crc(crc: Crc) -> int:
+    """A record's CRC-32, waiting for it where it is still being computed."""
     return crc if isinstance(crc, int) else crc()
 
 
