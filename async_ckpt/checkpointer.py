@@ -44,6 +44,7 @@ from async_ckpt.pull import PullReport
 from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
+from async_ckpt.storage.local import memory_filesystem
 from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, log_tier, nodes_from,
                               room_for, undrained)
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
@@ -148,6 +149,8 @@ class AsyncCheckpointer:
         inflight.register(self)
         if torch.device(getattr(engine, "device", "cpu")).type == "cpu":
             self._pool.reserve(estimate_snapshot_bytes(engine))  # pinned staging (CUDA) is allocated at the first save
+            if not config.synchronous:
+                self._warn_of_memory_filesystems()
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
         if self._drainer is not None:
             self._resume_drains()
@@ -504,6 +507,19 @@ class AsyncCheckpointer:
         return _Agreement(save_id, tiered and not full, committed)
 
     # ------------------------------------------------------------------ tiers
+    def _warn_of_memory_filesystems(self) -> None:
+        """On CPU training a background write to tmpfs takes its CPU from training, with no device to
+        hand the bytes to: measured at 2.6-3.9x the cost of DeepSpeed's synchronous save, against 1.24x
+        for ``synchronous=True`` (benchmarks/RESULTS.md). Said once, at wrap()."""
+        for storage in (self.storage, self._local):
+            folder = storage.local_dir() if storage is not None else None
+            filesystem = memory_filesystem(folder) if folder else None
+            if filesystem:
+                logger.warning("rank %d: %s is on %s, in memory: with training on the CPU a background save there "
+                               "costs training more time than a synchronous one (measured 2.6-3.9x DeepSpeed's own "
+                               "save, see benchmarks/RESULTS.md); pass synchronous=True, or save to a disk",
+                               self.rank, folder, filesystem)
+
     def _open_local_tier(self, path: str) -> None:
         """Open this rank's node folder, learn which ranks share it, start the drainer thread."""
         self._local = self._open(path)

@@ -227,10 +227,18 @@ def save_while_previous_persists(root: str, gate: str) -> dict:
     return seen
 
 
-def bad_inputs(root: str, not_a_dir: str) -> dict:
-    """Every misuse gives a typed error; returns ``{case: (error type, message)}`` and what was written."""
+def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dict:
+    """Every misuse gives a typed error; returns ``{case: (error type, message)}`` and what was written,
+    and the warnings of wrap() on ``root`` and on ``memory_root`` (a tmpfs folder), with and without
+    ``synchronous``."""
     engine = workload.make_engine(1, "fp32")
     out: dict = {}
+    for case, url, options in [("disk", root, {}), ("memory", memory_root, {}),
+                               ("memory_synchronous", memory_root, {"synchronous": True})]:
+        if url is not None:
+            with async_ckpt_log() as lines:
+                async_ckpt.wrap(engine, url, **options).close()
+            out[f"wrap_warnings_{case}"] = [line for line in lines if "in memory" in line]
     out["unwritable_destination"] = _outcome(lambda: async_ckpt.wrap(engine, f"{not_a_dir}/ckpt"))
     out["bad_keep_last"] = _outcome(lambda: async_ckpt.wrap(engine, root, keep_last=0))
     out["bad_on_error"] = _outcome(lambda: async_ckpt.wrap(engine, root, on_error="explode"))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 import async_ckpt
@@ -9,15 +13,53 @@ import rank_tasks
 from async_ckpt import CheckpointConfig, ConfigError
 
 
+def _mount_type(path: str) -> str:
+    """The filesystem type of the mount that holds ``path``, from /proc/self/mounts (longest mount point)."""
+    path = os.path.realpath(path)
+    mounts = [line.split()[1:3] for line in open("/proc/self/mounts")]
+    inside = [(point, kind) for point, kind in mounts if path == point or path.startswith(point.rstrip("/") + "/")]
+    return max(inside, key=lambda mount: len(mount[0]))[1]
+
+
 @pytest.fixture(scope="module")
-def outcomes(ranks, tmp_path_factory):
+def memory_root():
+    """A fresh folder on tmpfs (/dev/shm), or ``None`` where /dev/shm is not tmpfs."""
+    if not os.path.isdir("/dev/shm") or _mount_type("/dev/shm") != "tmpfs":
+        yield None
+        return
+    root = tempfile.mkdtemp(prefix="async_ckpt_test_", dir="/dev/shm")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def outcomes(ranks, tmp_path_factory, memory_root):
     root = tmp_path_factory.mktemp("bad")
     not_a_dir = root / "plain-file"
     not_a_dir.write_text("x")
     (root / "ckpt").mkdir()
-    results = ranks.run(rank_tasks.bad_inputs, str(root / "ckpt"), str(not_a_dir))
+    results = ranks.run(rank_tasks.bad_inputs, str(root / "ckpt"), str(not_a_dir), memory_root)
     assert results[0].keys() == results[1].keys()
     return results
+
+
+def test_wrap_warns_that_a_background_save_to_tmpfs_costs_cpu_training_more(outcomes, memory_root):
+    if memory_root is None:
+        pytest.skip("/dev/shm is not a tmpfs here")
+    for rank, seen in enumerate(outcomes):
+        [warning] = seen["wrap_warnings_memory"]
+        assert f"rank {rank}: {memory_root}" in warning and "tmpfs" in warning and "synchronous=True" in warning
+
+
+def test_wrap_does_not_warn_of_memory_with_synchronous_saves(outcomes, memory_root):
+    if memory_root is None:
+        pytest.skip("/dev/shm is not a tmpfs here")
+    assert [seen["wrap_warnings_memory_synchronous"] for seen in outcomes] == [[], []]
+
+
+def test_wrap_warns_of_memory_only_where_the_folder_is_in_memory(outcomes, tmp_path_factory):
+    on_tmpfs = _mount_type(str(tmp_path_factory.getbasetemp())) in ("tmpfs", "ramfs")
+    assert [bool(seen["wrap_warnings_disk"]) for seen in outcomes] == [on_tmpfs, on_tmpfs]
 
 
 @pytest.mark.parametrize("case", ["empty_tag", "slash_tag", "dotdot_tag", "parent_tag", "backslash_tag", "space_tag"])

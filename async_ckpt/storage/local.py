@@ -8,7 +8,7 @@ Files are written with ``O_DIRECT`` where the filesystem allows it: the bytes go
 without first filling the page cache, which measured 4x faster here for checkpoint-sized files
 (see benchmarks/RESULTS.md): small writes through aligned bounce buffers, large lent buffers
 (staging memory, see :class:`DirectWriter`) straight from where they are. Where ``O_DIRECT`` is
-refused (tmpfs, some network filesystems) the ordinary buffered path is used.
+refused (tmpfs before Linux 6.6, some network filesystems) the ordinary buffered path is used.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import errno
 import mmap
 import os
 import queue
+import sys
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, Callable, Iterator
@@ -254,6 +255,27 @@ class DirectWriter:
         for buffer in buffers:
             with contextlib.suppress(BufferError):  # an error's traceback may still hold a slice: freed with it
                 buffer.close()
+
+
+#: ``statfs`` ``f_type`` of the filesystems that keep files in memory.
+_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_filesystem(path: str) -> str | None:
+    """``"tmpfs"`` or ``"ramfs"`` when ``path`` (or its nearest existing parent) is on one, else ``None``.
+
+    A write there is CPU work (page allocation and a copy) rather than a device's transfer, so a
+    background write takes its cores from training; Linux only (``None`` elsewhere).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    result = ctypes.create_string_buffer(512)  # struct statfs, f_type (a C long) first
+    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(probe), result) != 0:
+        return None
+    return _MEMORY_FILESYSTEMS.get(ctypes.c_long.from_buffer(result).value & 0xFFFFFFFF)
 
 
 def _open_direct(path: str) -> int | None:
