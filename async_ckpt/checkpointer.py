@@ -44,7 +44,6 @@ from async_ckpt.pull import PullReport
 from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
-from async_ckpt.storage.local import memory_filesystem
 from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, log_tier, nodes_from,
                               room_for, undrained)
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
@@ -508,17 +507,16 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ tiers
     def _warn_of_memory_filesystems(self) -> None:
-        """On CPU training a background write to tmpfs takes its CPU from training, with no device to
-        hand the bytes to: measured at 2.6-3.9x the cost of DeepSpeed's synchronous save, against 1.24x
-        for ``synchronous=True`` (benchmarks/RESULTS.md). Said once, at wrap()."""
+        """On CPU training a background write to tmpfs takes its CPU from training, with no device to hand
+        the bytes to, and costs training more than a synchronous save (benchmarks/RESULTS.md, "A
+        memory-backed target"). Said at wrap() for its URL and local tier; a ``save_checkpoint`` to
+        another folder is not checked."""
         for storage in (self.storage, self._local):
-            folder = storage.local_dir() if storage is not None else None
-            filesystem = memory_filesystem(folder) if folder else None
-            if filesystem:
+            if storage is not None and storage.memory_filesystem:
                 logger.warning("rank %d: %s is on %s, in memory: with training on the CPU a background save there "
-                               "costs training more time than a synchronous one (measured 2.6-3.9x DeepSpeed's own "
-                               "save, see benchmarks/RESULTS.md); pass synchronous=True, or save to a disk",
-                               self.rank, folder, filesystem)
+                               "costs training more time than a synchronous one (benchmarks/RESULTS.md, 'A "
+                               "memory-backed target'); pass synchronous=True, or save to a disk",
+                               self.rank, storage.local_dir(), storage.memory_filesystem)
 
     def _open_local_tier(self, path: str) -> None:
         """Open this rank's node folder, learn which ranks share it, start the drainer thread."""

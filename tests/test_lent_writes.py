@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import shutil
+import tempfile
 import threading
 import zipfile
 import zlib
@@ -22,7 +24,7 @@ from async_ckpt.checksum import crc32_combine, format_crc
 from async_ckpt.serialization import ChecksumWriter, Lending, storage_order, write_torch_file
 from async_ckpt import staging
 from async_ckpt.staging import PLACEMENT_ALIGN, StagingPool
-from async_ckpt.storage import LocalStorage
+from async_ckpt.storage import LocalStorage, local
 from async_ckpt.storage.base import buffer_address
 from async_ckpt.storage.local import DirectWriter, _open_direct
 
@@ -234,6 +236,47 @@ def test_storage_order_is_the_order_torch_save_writes_the_records():
                 [state["flat"], state["small"], state["bf16"], *state["moments"].values()]}
     assert len(order) == len(records) == 5
     assert [storages[address] for address in order] == [archive.read(info) for info in records]
+
+
+@pytest.fixture()
+def memory_root():
+    """A fresh folder on tmpfs that accepts ``O_DIRECT`` (Linux 6.6+), else the test is skipped."""
+    if local.memory_filesystem("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    root = tempfile.mkdtemp(prefix="async_ckpt_test_", dir="/dev/shm")
+    fd = _open_direct(os.path.join(root, "probe"))
+    if fd is None:
+        shutil.rmtree(root)
+        pytest.skip("this kernel's tmpfs refuses O_DIRECT: nothing is lent there")
+    os.close(fd)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_file_in_memory_is_written_by_one_thread_per_io_pool_with_torch_saves_bytes(memory_root, monkeypatch):
+    """tmpfs serializes the writes to one file: a second thread per I/O pool would only spin on its lock."""
+    monkeypatch.setattr(local, "_CHUNK", 256 * 1024)  # many positioned writes per lent buffer
+    writers: set[str] = set()
+    write_all = local._write_all
+
+    def recorded(fd, view, offset):
+        writers.add(threading.current_thread().name)
+        write_all(fd, view, offset)
+
+    monkeypatch.setattr(local, "_write_all", recorded)
+    pool, storage = StagingPool(), LocalStorage(memory_root)
+    try:
+        for tag in ("t1", "t2"):  # the second save is placed: its buffers are lent, and written ahead of their copy
+            state, staged = _deferred_snapshot(pool)
+            ticket = pool.copy(staged.deferred, background=True)
+            write_torch_file(storage, f"{tag}/x.pt", staged.obj, tag_dir=tag, rank=0,
+                             lending=Lending(staged.regions, staged.placements), await_copy=ticket.wait_for)
+            assert open(os.path.join(memory_root, tag, "x.pt"), "rb").read() == _torch_save_bytes(state)
+    finally:
+        pool.close()
+    stream_threads = {name for name in writers if name.startswith("async_ckpt-direct-io")}
+    ahead_threads = {name for name in writers if name.startswith("async_ckpt-direct-ahead")}
+    assert storage.memory_filesystem == "tmpfs" and len(stream_threads) == 1 and len(ahead_threads) == 1
 
 
 def test_each_storage_is_copied_before_torch_save_reads_it(direct_root):

@@ -82,7 +82,7 @@ def test_failed_local_write_publishes_nothing(tmp_path, direct_io):
 
 
 def test_a_direct_writer_that_cannot_be_built_leaves_no_file_and_no_open_descriptor(tmp_path, monkeypatch):
-    def no_memory(fd):
+    def no_memory(fd, **options):
         raise MemoryError("no memory for the bounce buffers")
 
     monkeypatch.setattr(local_storage, "DirectWriter", no_memory)

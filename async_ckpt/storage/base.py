@@ -61,6 +61,9 @@ class Storage(abc.ABC):
     #: ``True`` where a finished write is durable once ``open_write`` returns (fsync'd local files,
     #: completed object uploads).
     durable_writes: bool = True
+    #: ``"tmpfs"`` or ``"ramfs"`` where the root is a folder in memory (local storage on Linux): a write
+    #: there is work for the CPU, not for a device.
+    memory_filesystem: str | None = None
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -89,10 +89,11 @@ class DirectWriter:
     :meth:`finish`. An error an I/O thread meets is raised by the next write or by :meth:`finish`.
     """
 
-    def __init__(self, fd: int, buffer_bytes: int = _BOUNCE_BYTES) -> None:
+    def __init__(self, fd: int, buffer_bytes: int = _BOUNCE_BYTES, *, io_threads: int = _IO_THREADS) -> None:
         if buffer_bytes <= 0 or buffer_bytes % _ALIGN:
             raise ValueError(f"buffer_bytes must be a positive multiple of {_ALIGN}, got {buffer_bytes}")
         self._fd = fd
+        self._io_threads = io_threads
         self._align = dio_alignment(fd)
         self._capacity = buffer_bytes
         self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(2)]
@@ -104,7 +105,7 @@ class DirectWriter:
         self._writes: list[Future[None]] = []
         self._ahead: list[tuple[int, int, int, list[Future[None]]]] = []  # offset, length, address, writes
         self._scratch: queue.Queue[mmap.mmap] | None = None
-        self._io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="async_ckpt-direct-io")
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="async_ckpt-direct-io")
         self._ahead_io: ThreadPoolExecutor | None = None  # writes ahead that wait for their buffer's copy
         self.copied_bytes = 0  # lent bytes that needed a copy (address and offset aligned differently)
 
@@ -141,7 +142,8 @@ class DirectWriter:
         if body <= 0 or (_address(middle) - offset - head) % self._align:
             return
         if ready is not None and self._ahead_io is None:
-            self._ahead_io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="async_ckpt-direct-ahead")
+            self._ahead_io = ThreadPoolExecutor(max_workers=self._io_threads,
+                                                thread_name_prefix="async_ckpt-direct-ahead")
         io = self._io if ready is None else self._ahead_io
         writes = [io.submit(_write_when_ready, ready, head + min(i + _CHUNK, body), self._fd,  # type: ignore[union-attr]
                             middle[i:i + _CHUNK], offset + head + i)
@@ -169,7 +171,7 @@ class DirectWriter:
             aligned = _address(middle) % self._align == 0
             if not aligned and self._scratch is None:  # aligned memory for the I/O threads' copies
                 self._scratch = queue.Queue()
-                for _ in range(_IO_THREADS):
+                for _ in range(self._io_threads):
                     self._scratch.put(mmap.mmap(-1, _CHUNK))
             for offset in range(0, body, _CHUNK):
                 chunk = middle[offset:offset + _CHUNK]
@@ -269,12 +271,13 @@ def memory_filesystem(path: str) -> str | None:
     """
     if not sys.platform.startswith("linux"):
         return None
-    probe = os.path.abspath(path)
+    probe = os.path.abspath(os.path.expanduser(path))
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
-    result = ctypes.create_string_buffer(512)  # struct statfs, f_type (a C long) first
-    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(probe), result) != 0:
+    result = ctypes.create_string_buffer(512)  # struct statfs (120 bytes on 64-bit Linux), f_type first
+    if ctypes.CDLL(None).statfs(os.fsencode(probe), result) != 0:
         return None
+    # f_type is a C long on x86_64 and aarch64; the magic numbers are 32-bit (ramfs's has the sign bit set)
     return _MEMORY_FILESYSTEMS.get(ctypes.c_long.from_buffer(result).value & 0xFFFFFFFF)
 
 
@@ -298,6 +301,10 @@ class LocalStorage(FsspecStorage):
         self.fsync = fsync
         self.direct_io = direct_io
         self.durable_writes = fsync
+        self.memory_filesystem = memory_filesystem(root)
+        # In memory every write is a copy on the CPU and the filesystem serializes the writes to one file:
+        # a second thread per I/O pool only spins on its lock (benchmarks/RESULTS.md, "A memory-backed target").
+        self._io_threads = 1 if self.memory_filesystem else _IO_THREADS
 
     def local_dir(self) -> str:
         return self.root
@@ -315,7 +322,8 @@ class LocalStorage(FsspecStorage):
         stream: Any = None  # a DirectWriter, or a raw file object
         try:
             # Unbuffered either way: torch.save hands over whole tensor storages; a userspace buffer only adds a copy.
-            stream = DirectWriter(fd) if direct else open(fd, "wb", buffering=0, closefd=False)
+            stream = (DirectWriter(fd, io_threads=self._io_threads) if direct
+                      else open(fd, "wb", buffering=0, closefd=False))
             yield stream  # type: ignore[misc]
             if direct:
                 stream.finish()
