@@ -505,7 +505,6 @@ class AsyncCheckpointer:
                            "; ".join(full), storage.url)
         return _Agreement(save_id, tiered and not full, committed)
 
-    # ------------------------------------------------------------------ tiers
     def _warn_of_memory_filesystems(self) -> None:
         """On CPU training a background write to tmpfs takes its CPU from training, with no device to hand
         the bytes to, and costs training more than a synchronous save (benchmarks/RESULTS.md, "A
@@ -518,6 +517,7 @@ class AsyncCheckpointer:
                                "memory-backed target'); pass synchronous=True, or save to a disk",
                                self.rank, storage.local_dir(), storage.memory_filesystem)
 
+    # ------------------------------------------------------------------ tiers
     def _open_local_tier(self, path: str) -> None:
         """Open this rank's node folder, learn which ranks share it, start the drainer thread."""
         self._local = self._open(path)

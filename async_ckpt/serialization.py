@@ -223,12 +223,13 @@ def in_copy_order(regions: Sequence[tuple[int, int]], order: Sequence[int]) -> l
     return sorted((r for r in regions if r[1] >= LEND_MIN), key=lambda region: rank.get(region[0], len(rank)))
 
 
-def checksum_ahead(regions: Sequence[tuple[int, int]], order: Sequence[int], await_copy: AwaitCopy | None,
+def checksum_ahead(buffers: Sequence[tuple[int, int]], await_copy: AwaitCopy | None,
                    pool: Executor) -> dict[tuple[int, int], Callable[[], int]]:
-    """Start the CRC-32 of every large staging buffer on ``pool``, piece by piece as its copy goes, in
-    copy order: the records' CRC-32s for :mod:`async_ckpt.torch_zip`, by (address, size)."""
+    """Start the CRC-32 of every large staging buffer (address, size; :func:`in_copy_order`'s list) on
+    ``pool``, piece by piece as its copy goes: the records' CRC-32s for :mod:`async_ckpt.torch_zip`,
+    by (address, size)."""
     crcs = {}
-    for address, size in in_copy_order(regions, order):
+    for address, size in buffers:
         ready = functools.partial(await_copy, address) if await_copy is not None else None
         memory = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
         crcs[(address, size)] = crc32_in_pieces(memory, pool, COPY_PIECE, ready)
@@ -262,10 +263,10 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
     """
     if scratch_dir is None:
         order = storage_order(obj) if await_copy is not None else []
-        regions = lending.regions if lending is not None else ()
-        with storage.open_write(relpath) as stream, _crc_threads(bool(in_copy_order(regions, order))) as pool:
+        buffers = in_copy_order(lending.regions, order) if lending is not None else []
+        with storage.open_write(relpath) as stream, _crc_threads(bool(buffers)) as pool:
             writer = ChecksumWriter(stream, lending, await_copy=await_copy, order=order)
-            record_crcs = checksum_ahead(regions, order, await_copy, pool) if pool is not None else {}
+            record_crcs = checksum_ahead(buffers, await_copy, pool) if pool is not None else {}
             writer.write_ahead()
             try:
                 torch_zip.save(obj, writer, record_crcs)

@@ -302,9 +302,6 @@ class LocalStorage(FsspecStorage):
         self.direct_io = direct_io
         self.durable_writes = fsync
         self.memory_filesystem = memory_filesystem(root)
-        # In memory every write is a copy on the CPU and the filesystem serializes the writes to one file:
-        # a second thread per I/O pool only spins on its lock (benchmarks/RESULTS.md, "A memory-backed target").
-        self._io_threads = 1 if self.memory_filesystem else _IO_THREADS
 
     def local_dir(self) -> str:
         return self.root
@@ -322,7 +319,9 @@ class LocalStorage(FsspecStorage):
         stream: Any = None  # a DirectWriter, or a raw file object
         try:
             # Unbuffered either way: torch.save hands over whole tensor storages; a userspace buffer only adds a copy.
-            stream = (DirectWriter(fd, io_threads=self._io_threads) if direct
+            # In memory every write is a copy on the CPU and the filesystem serializes the writes to one file:
+            # a second thread per I/O pool only spins on its lock (benchmarks/RESULTS.md, "A memory-backed target").
+            stream = (DirectWriter(fd, io_threads=1 if self.memory_filesystem else _IO_THREADS) if direct
                       else open(fd, "wb", buffering=0, closefd=False))
             yield stream  # type: ignore[misc]
             if direct:
