@@ -273,6 +273,16 @@ class AsyncCkptTuned(AsyncCkpt):
         super().__init__(engine, target, rank, writer_nice=10)
 
 
+class AsyncCkptSynchronous(AsyncCkpt):
+    """``synchronous=True``: each save returns once committed, so the write runs while training waits, as
+    stock's does (what a memory-backed target on a busy CPU calls for: benchmarks/RESULTS.md)."""
+
+    name = "async_ckpt_sync"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        super().__init__(engine, target, rank, synchronous=True)
+
+
 class AsyncCkptExact(AsyncCkpt):
     """Defaults but ``exact_bytes=True``: what byte-identical files cost (a scratch write per file)."""
 
@@ -319,7 +329,7 @@ class AsyncCkptProcess(AsyncCkpt):
 
 
 METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptExact,
-                               AsyncCkptCopyInSave, AsyncCkptTuned, AsyncCkptProcess)}
+                               AsyncCkptCopyInSave, AsyncCkptTuned, AsyncCkptSynchronous, AsyncCkptProcess)}
 #: Methods that run only when named in ``--methods`` (prototypes), not in the default comparison.
-ON_REQUEST = (AsyncCkptProcess.name,)
+ON_REQUEST = (AsyncCkptSynchronous.name, AsyncCkptProcess.name)
 

@@ -124,7 +124,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         method.discard()
         results[name] = entry
         peak_rss = max(peak_rss, proc.memory_info().rss)
-    ours = results.get("async_ckpt", {}).get("bytes_per_save")  # this rank's share of a checkpoint
+    ours = next((entry["bytes_per_save"] for name, entry in results.items()  # this rank's share of a checkpoint
+                 if name.startswith("async_ckpt") and entry.get("bytes_per_save")), None)
     nbytes = ours or 64 * 1024 * 1024
     floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes, engine.device),
              "local_write_s": floors.local_write_floor_s(nbytes, os.path.join(target["local_dir"], "floor"))}
