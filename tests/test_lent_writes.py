@@ -279,6 +279,19 @@ def test_a_file_in_memory_is_written_by_one_thread_per_io_pool_with_torch_saves_
     assert storage.memory_filesystem == "tmpfs" and len(stream_threads) == 1 and len(ahead_threads) == 1
 
 
+def test_a_buffer_lent_to_a_file_in_memory_is_written_from_any_address_without_a_copy(memory_root):
+    """tmpfs takes O_DIRECT writes at any alignment (they are buffered writes): nothing is copied to align them."""
+    payload = os.urandom(3 * MiB + 5)
+    memory = mmap.mmap(-1, len(payload) + 8)
+    memory[3:3 + len(payload)] = payload
+    with LocalStorage(memory_root).open_write("t/odd.bin") as stream, memoryview(memory) as view:
+        stream.write(b"h" * 7)
+        stream.write_borrowed(view[3:3 + len(payload)])
+        copied = stream.copied_bytes
+    assert copied == 0
+    assert open(os.path.join(memory_root, "t", "odd.bin"), "rb").read() == b"h" * 7 + payload
+
+
 def test_each_storage_is_copied_before_torch_save_reads_it(direct_root):
     pool = StagingPool()
     for _ in range(2):  # the second save is placed: its buffers are also written ahead, each once its copy is done

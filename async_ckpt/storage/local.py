@@ -87,14 +87,18 @@ class DirectWriter:
     (``ctypes.memmove`` releases the GIL too). Only the few bytes at either end go through the
     bounce buffer. The last block is zero-padded and the file truncated back to its size on
     :meth:`finish`. An error an I/O thread meets is raised by the next write or by :meth:`finish`.
+
+    ``alignment`` overrides the probed one: 1 where ``O_DIRECT`` writes are buffered writes that take any
+    address, offset and length (tmpfs), so that no lent buffer is copied to align it.
     """
 
-    def __init__(self, fd: int, buffer_bytes: int = _BOUNCE_BYTES, *, io_threads: int = _IO_THREADS) -> None:
+    def __init__(self, fd: int, buffer_bytes: int = _BOUNCE_BYTES, *, io_threads: int = _IO_THREADS,
+                 alignment: int | None = None) -> None:
         if buffer_bytes <= 0 or buffer_bytes % _ALIGN:
             raise ValueError(f"buffer_bytes must be a positive multiple of {_ALIGN}, got {buffer_bytes}")
         self._fd = fd
         self._io_threads = io_threads
-        self._align = dio_alignment(fd)
+        self._align = dio_alignment(fd) if alignment is None else alignment
         self._capacity = buffer_bytes
         self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(2)]
         self._views = [memoryview(b) for b in self._buffers]
@@ -321,8 +325,10 @@ class LocalStorage(FsspecStorage):
             # Unbuffered either way: torch.save hands over whole tensor storages; a userspace buffer only adds a copy.
             # In memory every write is a copy on the CPU and the filesystem serializes the writes to one file:
             # a second thread per I/O pool only spins on its lock (benchmarks/RESULTS.md, "A memory-backed target").
-            stream = (DirectWriter(fd, io_threads=1 if self.memory_filesystem else _IO_THREADS) if direct
-                      else open(fd, "wb", buffering=0, closefd=False))
+            # There O_DIRECT is accepted but the writes are buffered ones, at any alignment: no bounce copies.
+            in_memory = self.memory_filesystem is not None
+            stream = (DirectWriter(fd, io_threads=1 if in_memory else _IO_THREADS, alignment=1 if in_memory else None)
+                      if direct else open(fd, "wb", buffering=0, closefd=False))
             yield stream  # type: ignore[misc]
             if direct:
                 stream.finish()
