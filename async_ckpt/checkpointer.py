@@ -42,6 +42,7 @@ from async_ckpt.layout import manifest_path, model_parallel_size, validate_tag
 from async_ckpt.manifest import Manifest
 from async_ckpt.pull import PullReport
 from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
+from async_ckpt.serialization import in_place
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
 from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, log_tier, nodes_from,
@@ -102,6 +103,8 @@ class AsyncCheckpointer:
 
     Every rank creates one and calls ``save``/``wait``/``load`` together, as with DeepSpeed.
     After wrapping, the engine's own ``save_checkpoint`` and ``save_16bit_model`` are non-blocking too.
+    ``synchronous`` says whether saves return only once committed: the config's setting, or what wrap()
+    chose for it (see :class:`~async_ckpt.CheckpointConfig`).
     """
 
     def __init__(self, engine: Any, config: CheckpointConfig, *, tokenizer: Any = None) -> None:
@@ -146,10 +149,12 @@ class AsyncCheckpointer:
         engine.save_checkpoint = self._engine_save_checkpoint
         engine.save_16bit_model = self._engine_save_16bit_model
         inflight.register(self)
-        if torch.device(getattr(engine, "device", "cpu")).type == "cpu":
-            self._pool.reserve(estimate_snapshot_bytes(engine))  # pinned staging (CUDA) is allocated at the first save
-            if not config.synchronous:
-                self._warn_of_memory_filesystems()
+        on_cpu = torch.device(getattr(engine, "device", "cpu")).type == "cpu"
+        self.synchronous = self._writes_synchronously(on_cpu)
+        if on_cpu and not self.synchronous:
+            # synchronous saves write the host state in place; pinned staging (CUDA) is allocated at the first save
+            self._pool.reserve(estimate_snapshot_bytes(engine))
+            self._warn_of_memory_filesystems()
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
         if self._drainer is not None:
             self._resume_drains()
@@ -438,12 +443,19 @@ class AsyncCheckpointer:
                       node_ranks=self._node_ranks if tiered else (), overwrites=agreed.overwrites, started=started)
         if self._local is not None:
             metrics = {**metrics, "tier": "local" if tiered else "durable"}
-        handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes, **metrics)
+        handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes,
+                              in_place_bytes=sum(f.nbytes for f in files if f.in_place), **metrics)
         self._last_job = job
         self._track(handle)
         self._writer.submit(job)
-        if self.config.synchronous:
-            self._bounded(handle.wait, tag, "the save to commit (synchronous=True)", self.config.wait_timeout_s)
+        if self.synchronous:
+            try:
+                self._bounded(handle.wait, tag, "the save to commit (synchronous)", self.config.wait_timeout_s)
+            except BaseException:
+                if job.abandon_reads():
+                    logger.error("rank %d: tag %s is written from the training state in place and training goes "
+                                 "on before it was read: the save will fail rather than commit", self.rank, tag)
+                raise
             self._surface_errors()
         return handle
 
@@ -505,17 +517,32 @@ class AsyncCheckpointer:
                            "; ".join(full), storage.url)
         return _Agreement(save_id, tiered and not full, committed)
 
+    def _writes_synchronously(self, on_cpu: bool) -> bool:
+        """``synchronous`` as configured; where it is ``None``, on for CPU training whose URL is in memory
+        and has no local tier (see :class:`CheckpointConfig`). With a local tier a synchronous save would
+        wait for the drain to the URL as well, so there it stays off (and wrap() warns)."""
+        if self.config.synchronous is not None:
+            return self.config.synchronous
+        chosen = on_cpu and self._local is None and self.storage.memory_filesystem is not None
+        if chosen:
+            logger.info("rank %d: %s is on %s, in memory, and training runs on the CPU: each save is written while "
+                        "training waits, which costs training less there than a background write "
+                        "(benchmarks/RESULTS.md, 'A memory-backed target'); pass synchronous=False to write in the "
+                        "background anyway", self.rank, self.storage.local_dir(), self.storage.memory_filesystem)
+        return chosen
+
     def _warn_of_memory_filesystems(self) -> None:
         """On CPU training a background write to tmpfs takes its CPU from training, with no device to hand
         the bytes to, and costs training more than a synchronous save (benchmarks/RESULTS.md, "A
-        memory-backed target"). Said at wrap() for its URL and local tier; a ``save_checkpoint`` to
-        another folder is not checked."""
-        for storage in (self.storage, self._local):
+        memory-backed target"). Said at wrap() for a URL that ``synchronous=False`` writes in the
+        background and for a local tier; a ``save_checkpoint`` to another folder is not checked."""
+        for storage, fix in ((self.storage, "pass synchronous=True, or save to a disk"),
+                             (self._local, "put local_tier on a disk")):
             if storage is not None and storage.memory_filesystem:
                 logger.warning("rank %d: %s is on %s, in memory: with training on the CPU a background save there "
                                "costs training more time than a synchronous one (benchmarks/RESULTS.md, 'A "
-                               "memory-backed target'); pass synchronous=True, or save to a disk",
-                               self.rank, storage.local_dir(), storage.memory_filesystem)
+                               "memory-backed target'); %s", self.rank, storage.local_dir(),
+                               storage.memory_filesystem, fix)
 
     # ------------------------------------------------------------------ tiers
     def _open_local_tier(self, path: str) -> None:
@@ -662,8 +689,9 @@ class AsyncCheckpointer:
         defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
         compact = isinstance(state_dict, CloneRequest)
         started = time.perf_counter()
-        self._session.files.append(self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
-                                                       slot_key=name, defer=defer, compact=compact))
+        staged = in_place(state_dict, relpath) if self.synchronous and not compact else None
+        self._session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
+                                                                 slot_key=name, defer=defer, compact=compact))
         self._session.snapshot_s += time.perf_counter() - started
 
     def _before_optimizer_step(self) -> None:

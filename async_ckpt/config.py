@@ -79,11 +79,16 @@ class CheckpointConfig:
             reused tag raises :class:`~async_ckpt.TagExistsError` before anything is written.
         synchronous: every save (``save()``, ``engine.save_checkpoint``, consolidated saves) returns
             only once it committed on every rank, as DeepSpeed's own save returns with its files
-            written; a failure is then raised or logged right there, as ``on_error`` says. For code
-            that reads the folder itself right after each save and cannot call
-            :func:`~async_ckpt.wait_all` first (DeepSpeed's own unit tests do). Off by default: the
-            whole write is then part of the stall, which is what async_ckpt exists to remove; the
-            writes still go to any URL, with the manifest and the commit.
+            written; a failure is then raised or logged right there, as ``on_error`` says. Host
+            tensors are then written from where they are, with no staging copy. For code that reads
+            the folder itself right after each save and cannot call :func:`~async_ckpt.wait_all`
+            first (DeepSpeed's own unit tests do). The whole write is then part of the stall, which
+            is what async_ckpt exists to remove; the writes still go to any URL, with the manifest
+            and the commit. ``None`` (default): on where training runs on the CPU and ``url`` is in
+            memory (tmpfs, ramfs) with no ``local_tier``, off elsewhere. In memory a write is CPU
+            work with no device to hand it to: in the background it cost CPU training 2.6-4x stock
+            DeepSpeed's save, written while training waits about stock's (benchmarks/RESULTS.md, "A
+            memory-backed target"). ``False`` writes in the background there too.
         local_tier: a node-local folder (NVMe, ``/dev/shm``) where each save is written and committed
             first; each rank's drainer thread then copies the committed tag to ``url`` with a commit
             of its own (see :mod:`async_ckpt.tiers`). It may be a different folder on every node: no
@@ -118,7 +123,7 @@ class CheckpointConfig:
     keep_every: int | None = None
     writer_nice: int = 0
     overwrite_tags: bool = False
-    synchronous: bool = False
+    synchronous: bool | None = None
     local_tier: str | None = None
     local_keep_last: int = 2
     local_tier_max_bytes: int | None = None
@@ -148,9 +153,11 @@ class CheckpointConfig:
             _integer("keep_every", self.keep_every, 1)
         _integer("writer_nice", self.writer_nice, 0, 19)
         for name in ("overlap_copy", "fsync", "direct_io", "exact_bytes", "verify_on_load",
-                     "overwrite_tags", "synchronous"):
+                     "overwrite_tags"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.synchronous is not None and not isinstance(self.synchronous, bool):
+            raise ConfigError(f"synchronous must be True, False or None (chosen at wrap), got {self.synchronous!r}")
         if self.on_save_done is not None and not callable(self.on_save_done):
             raise ConfigError(f"on_save_done must be a callable taking the SaveHandle, got {self.on_save_done!r}")
         if self.local_tier is not None:

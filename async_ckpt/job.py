@@ -46,6 +46,8 @@ class SaveJob:
     overwrites: bool = False
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
+    _reads: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reads_abandoned: bool = False
 
     @property
     def tier_leader(self) -> bool:
@@ -55,7 +57,21 @@ class SaveJob:
     def staged_bytes(self) -> int:
         return sum(f.nbytes for f in self.files)
 
-    def release_buffers(self) -> None:
-        """The staged tensors are no longer read: the next save may overwrite them."""
-        self.files = []
-        self.buffers_free.set()
+    def release_buffers(self) -> bool:
+        """The staged tensors are no longer read: the next save may overwrite them. False where training
+        stopped waiting before the files written in place were read to the end (:meth:`abandon_reads`):
+        training may have changed them meanwhile, so what was written must not be committed."""
+        with self._reads:
+            self.files = []
+            self.buffers_free.set()
+            return not self._reads_abandoned
+
+    def abandon_reads(self) -> bool:
+        """Training stops waiting for this save (a timeout, an interrupt) and goes on changing its state:
+        if files are still being read from that state in place, the save is marked to fail rather than
+        commit bytes that may mix two steps. Whether it was."""
+        with self._reads:
+            if self.buffers_free.is_set() or not any(f.in_place for f in self.files):
+                return False
+            self._reads_abandoned = True
+            return True

@@ -44,7 +44,7 @@ import torch
 from async_ckpt import torch_zip
 from async_ckpt.checksum import crc32_combine, crc32_in_pieces, format_crc
 from async_ckpt.manifest import FileEntry
-from async_ckpt.staging import COPY_PIECE
+from async_ckpt.staging import COPY_PIECE, StagedFile
 from async_ckpt.storage.base import IO_CHUNK, LEND_MIN, Storage, buffer_address
 from async_ckpt.torch_zip import Crc, resolve_crc
 
@@ -73,15 +73,14 @@ class Lending:
 AwaitCopy = Callable[..., None]
 
 
-def storage_order(obj: Any) -> list[int]:
-    """The data addresses of the tensor storages in ``obj``, in the order torch.save writes their records.
+def _storages(obj: Any) -> list[torch.UntypedStorage]:
+    """The tensor storages in ``obj``, each once, in the order torch.save writes their records.
 
     torch.save numbers the storages in the order its pickler meets them and writes their records in
     that order (torch.serialization's ``_save``, format version 1). A pickling pass without the data
-    (storages are persistent ids, nothing of them is read) gives the same order; storages without
-    bytes are left out (torch writes nothing for them).
+    (storages are persistent ids, nothing of them is read) gives the same order.
     """
-    seen: dict[int, int] = {}
+    seen: dict[int, torch.UntypedStorage] = {}
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, value: Any) -> Any:
@@ -89,11 +88,32 @@ def storage_order(obj: Any) -> list[int]:
                 value = value._untyped_storage
             if not isinstance(value, torch.UntypedStorage):
                 return None
-            seen.setdefault(value._cdata, value.data_ptr() if value.nbytes() else 0)
+            seen.setdefault(value._cdata, value)
             return len(seen)
 
     _Pickler(_Discard(), protocol=2).dump(obj)
-    return list(dict.fromkeys(address for address in seen.values() if address))
+    return list(seen.values())
+
+
+def storage_order(obj: Any) -> list[int]:
+    """The data addresses of the tensor storages in ``obj``, in the order torch.save writes their records;
+    storages without bytes are left out (torch writes nothing for them)."""
+    return list(dict.fromkeys(s.data_ptr() for s in _storages(obj) if s.nbytes()))
+
+
+def in_place(obj: Any, relpath: str) -> StagedFile | None:
+    """``obj`` itself as the file's snapshot, its host storages lent to the writer where they are: for a save
+    that training waits out (``synchronous``), whose state does not change until it is written. A snapshot
+    copy would only add a copy per byte; on a memory-backed target, where the write itself is such a copy,
+    it made the synchronous save cost training more than stock DeepSpeed's (benchmarks/RESULTS.md, "A
+    memory-backed target"). ``None`` where a storage is on a device: the staged copy brings it to the host.
+    """
+    storages = _storages(obj)
+    if any(s.device.type != "cpu" for s in storages):
+        return None
+    regions = sorted({(s.data_ptr(), s.nbytes()) for s in storages if s.nbytes()})
+    return StagedFile(relpath=relpath, obj=obj, nbytes=sum(size for _, size in regions), regions=regions,
+                      in_place=True)
 
 
 class _Discard:

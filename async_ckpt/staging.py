@@ -95,6 +95,9 @@ class StagedFile:
     #: dict: the next snapshot places each buffer where it can be written with no copy, and the next
     #: write starts writing it there before torch.save reaches it (the layout repeats).
     placements: dict[int, int] = field(default_factory=dict)
+    #: ``obj`` is the training state itself, not a copy (:func:`~async_ckpt.serialization.in_place`): it is
+    #: valid only while training waits for the save.
+    in_place: bool = False
 
 
 @dataclass

@@ -144,7 +144,10 @@ class BackgroundWriter:
                                                  rank=job.rank))
             current = "the staging copies"
             copy_wait.all()
-            job.release_buffers()
+            if not job.release_buffers():
+                current = "its reads of the training state"
+                raise RuntimeError("training stopped waiting for this synchronous save before its files were "
+                                   "read from the training state, which it may have changed meanwhile")
             metrics["copy_wait_s"] = copy_wait.waited_s
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)

@@ -31,15 +31,15 @@ def _tokens():
 
 
 @contextlib.contextmanager
-def async_ckpt_log() -> Iterator[list[str]]:
-    """Every async_ckpt log line (DEBUG and up) emitted on this rank meanwhile, formatted, in a list."""
+def async_ckpt_log(level: int = logging.DEBUG) -> Iterator[list[str]]:
+    """Every async_ckpt log line (``level`` and up) emitted on this rank meanwhile, formatted, in a list."""
     lines: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(self.format(record))
 
-    handler = Keep(logging.DEBUG)
+    handler = Keep(level)
     logger = logging.getLogger("async_ckpt")
     level = logger.level
     logger.addHandler(handler)
@@ -229,16 +229,19 @@ def save_while_previous_persists(root: str, gate: str) -> dict:
 
 def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dict:
     """Every misuse gives a typed error; returns ``{case: (error type, message)}`` and what was written,
-    and the warnings of wrap() on ``root`` and on ``memory_root`` (a tmpfs folder), with and without
-    ``synchronous``."""
+    and the warnings of wrap() on ``root`` and on ``memory_root`` (a tmpfs folder) and whether it chose
+    synchronous saves, with ``synchronous`` unset, True and False."""
     engine = workload.make_engine(1, "fp32")
     out: dict = {}
     for case, url, options in [("disk", root, {}), ("memory", memory_root, {}),
-                               ("memory_synchronous", memory_root, {"synchronous": True})]:
+                               ("memory_synchronous", memory_root, {"synchronous": True}),
+                               ("memory_background", memory_root, {"synchronous": False})]:
         if url is not None:
-            with async_ckpt_log() as lines:
-                async_ckpt.wrap(engine, url, **options).close()
+            with async_ckpt_log(logging.WARNING) as lines:
+                ckpt = async_ckpt.wrap(engine, url, **options)
+                ckpt.close()
             out[f"wrap_warnings_{case}"] = [line for line in lines if "in memory" in line]
+            out[f"synchronous_{case}"] = ckpt.synchronous
     out["unwritable_destination"] = _outcome(lambda: async_ckpt.wrap(engine, f"{not_a_dir}/ckpt"))
     out["bad_keep_last"] = _outcome(lambda: async_ckpt.wrap(engine, root, keep_last=0))
     out["bad_on_error"] = _outcome(lambda: async_ckpt.wrap(engine, root, on_error="explode"))

@@ -102,6 +102,42 @@ def synchronous_save_that_fails(root: str) -> dict:
     return {"failed": failed, "latest": _read_latest(root)}
 
 
+def default_and_synchronous_saves_of_one_step(root: str, stage: int, dtype: str) -> dict:
+    """The same step saved with the defaults (a staged snapshot, written in the background) and with
+    synchronous=True (the host state written in place while training waits)."""
+    engine = workload.make_engine(stage, dtype)
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, f"{root}/staged", synchronous=False) as ckpt:
+        ckpt.save(tag="t").result(timeout=120)
+    with async_ckpt.wrap(engine, f"{root}/in_place", synchronous=True) as ckpt:
+        handle = ckpt.save(tag="t")
+        done_on_return = handle.done()
+    return {"done_on_return": done_on_return, "in_place_bytes": handle.metrics["in_place_bytes"],
+            "bytes_written": handle.metrics["bytes_written"]}
+
+
+def synchronous_save_given_up_while_it_reads_the_state(root: str, gate: str) -> dict:
+    """A synchronous save gives up waiting (wait_timeout_s) while its writes, held behind a gate, still read
+    the training state in place; training goes on and changes that state, then the gate opens."""
+    from rank_tasks import _outcome
+
+    register_faulty()
+    engine = workload.make_engine(2, "fp32")
+    tokens = _tokens()
+    workload.train(engine, 1, tokens, _rank())
+    with async_ckpt.wrap(engine, f"faulty://{root}", synchronous=True) as ckpt:
+        ckpt.save(tag="good")
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate}, synchronous=True,
+                         on_error="raise", wait_timeout_s=2) as ckpt:
+        gave_up = _outcome(lambda: ckpt.save(tag="torn"))
+        workload.train(engine, 1, tokens, _rank())
+        if _rank() == 0:
+            open(gate, "w").close()
+        failed = _outcome(lambda: ckpt.wait(timeout=120))
+    return {"gave_up": gave_up, "failed": failed, "latest": _read_latest(root),
+            "torn_committed": os.path.exists(f"{root}/torn/async_ckpt_manifest.json")}
+
+
 def per_rank_tags(root: str, mode: str) -> dict:
     """engine.save_checkpoint with a different tag on each rank, under checkpoint.tag_validation=mode."""
     import deepspeed

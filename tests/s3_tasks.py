@@ -27,6 +27,17 @@ def save_to_bucket(stage: int, url: str, options: dict, stock_dir: str) -> dict:
             "upload_buffer_bound": (ckpt.config.max_concurrency + 1) * ckpt.config.part_size}
 
 
+def default_and_synchronous_saves_to_bucket(url: str, options: dict) -> dict:
+    """The same step saved to ``url/staged`` with the defaults and to ``url/in_place`` with synchronous=True."""
+    engine = workload.make_engine(3, "fp32")
+    workload.train(engine, 1, workload.token_stream(), dist.get_rank())
+    with async_ckpt.wrap(engine, f"{url}/staged", storage_options=options) as ckpt:
+        ckpt.save(tag="t").result(timeout=300)
+    with async_ckpt.wrap(engine, f"{url}/in_place", storage_options=options, synchronous=True) as ckpt:
+        handle = ckpt.save(tag="t")
+    return {"done_on_return": handle.done(), "in_place_bytes": handle.metrics["in_place_bytes"]}
+
+
 def _async_ckpt_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("async_ckpt"))
 

@@ -46,12 +46,21 @@ def outcomes(ranks, tmp_path_factory, memory_root):
     return results
 
 
+def test_wrap_chooses_synchronous_saves_where_cpu_training_saves_to_tmpfs(outcomes, memory_root):
+    """In memory the write is CPU work: written while training waits it costs training less than in the background."""
+    if memory_root is None:
+        pytest.skip("/dev/shm is not a tmpfs here")
+    for seen in outcomes:
+        assert seen["synchronous_memory"] is True and seen["wrap_warnings_memory"] == []
+
+
 def test_wrap_warns_that_a_background_save_to_tmpfs_costs_cpu_training_more(outcomes, memory_root):
     if memory_root is None:
         pytest.skip("/dev/shm is not a tmpfs here")
     for rank, seen in enumerate(outcomes):
-        [warning] = seen["wrap_warnings_memory"]
+        [warning] = seen["wrap_warnings_memory_background"]
         assert f"rank {rank}: {memory_root}" in warning and "tmpfs" in warning and "synchronous=True" in warning
+        assert seen["synchronous_memory_background"] is False
 
 
 def test_wrap_does_not_warn_of_memory_with_synchronous_saves(outcomes, memory_root):
@@ -60,10 +69,10 @@ def test_wrap_does_not_warn_of_memory_with_synchronous_saves(outcomes, memory_ro
     assert [seen["wrap_warnings_memory_synchronous"] for seen in outcomes] == [[], []]
 
 
-def test_wrap_does_not_warn_of_memory_on_a_disk(outcomes, tmp_path_factory):
+def test_wrap_writes_in_the_background_and_does_not_warn_of_memory_on_a_disk(outcomes, tmp_path_factory):
     if _mount_type(str(tmp_path_factory.getbasetemp())) in ("tmpfs", "ramfs"):
         pytest.skip("pytest's temporary folders are in memory here")
-    assert [seen["wrap_warnings_disk"] for seen in outcomes] == [[], []]
+    assert [(seen["wrap_warnings_disk"], seen["synchronous_disk"]) for seen in outcomes] == [([], False)] * 2
 
 
 @pytest.mark.parametrize("case", ["empty_tag", "slash_tag", "dotdot_tag", "parent_tag", "backslash_tag", "space_tag"])

@@ -176,7 +176,8 @@ def test_gc_leaves_a_tag_folder_without_files_alone_during_the_grace_period(tmp_
 
 
 @pytest.mark.parametrize("field,value", [("max_concurrency", True), ("commit_timeout_s", "60"), ("part_size", 2**24 + 0.5),
-                                         ("overlap_copy", "yes"), ("wait_timeout_s", False), ("retry_attempts", 2.0)])
+                                         ("overlap_copy", "yes"), ("wait_timeout_s", False), ("retry_attempts", 2.0),
+                                         ("synchronous", "auto"), ("synchronous", 0)])
 def test_configuration_refuses_booleans_and_wrong_types_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         CheckpointConfig(url="/tmp/x", **{field: value})

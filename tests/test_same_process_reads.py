@@ -47,6 +47,28 @@ def test_a_synchronous_save_that_fails_raises_in_the_save_call_on_every_rank(ran
         assert rank["latest"] == "good"
 
 
+@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (2, "fp32"), (3, "fp32")], ids=["zero1-bf16", "zero2-fp32", "zero3-fp32"])
+def test_a_synchronous_save_writes_the_host_state_in_place_byte_for_byte_the_default_files(ranks, tmp_path, stage, dtype):
+    out = ranks.run(reader_tasks.default_and_synchronous_saves_of_one_step, str(tmp_path), stage, dtype)
+    for rank in out:
+        assert rank["done_on_return"] is True and 0 < rank["in_place_bytes"] <= rank["bytes_written"]
+    staged = sorted((tmp_path / "staged" / "t").glob("*.pt"))
+    assert len(staged) >= 3
+    for path in staged:
+        assert (tmp_path / "in_place" / "t" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_synchronous_save_given_up_while_reading_the_state_in_place_fails_instead_of_committing(ranks, tmp_path):
+    """Training went on while the files were still read from its state: they may mix two steps."""
+    out = ranks.run(reader_tasks.synchronous_save_given_up_while_it_reads_the_state, str(tmp_path / "ckpt"),
+                    str(tmp_path / "gate"))
+    for rank in out:
+        assert rank["gave_up"][0] == "WaitTimeoutError"
+        assert rank["failed"][0] == "SaveFailedError" and "'torn'" in rank["failed"][1]
+        assert rank["latest"] == "good" and rank["torn_committed"] is False
+    assert any("training stopped waiting" in rank["failed"][1] for rank in out)
+
+
 _PER_RANK: dict[str, list] = {}
 
 
