@@ -689,7 +689,8 @@ class AsyncCheckpointer:
         defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
         compact = isinstance(state_dict, CloneRequest)
         started = time.perf_counter()
-        staged = in_place(state_dict, relpath) if self.synchronous and not compact else None
+        write_in_place = self.synchronous and not compact and not self._session.storage.aligned_lending
+        staged = in_place(state_dict, relpath) if write_in_place else None
         self._session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
                                                                  slot_key=name, defer=defer, compact=compact))
         self._session.snapshot_s += time.perf_counter() - started

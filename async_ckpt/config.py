@@ -80,7 +80,9 @@ class CheckpointConfig:
         synchronous: every save (``save()``, ``engine.save_checkpoint``, consolidated saves) returns
             only once it committed on every rank, as DeepSpeed's own save returns with its files
             written; a failure is then raised or logged right there, as ``on_error`` says. Host
-            tensors are then written from where they are, with no staging copy. For code that reads
+            tensors are then written from where they are, with no staging copy, where the write
+            copies them anyway (a memory filesystem, buffered files, object storage; not ``O_DIRECT``
+            to a disk, where the staged copy is what spares the write a copy). For code that reads
             the folder itself right after each save and cannot call :func:`~async_ckpt.wait_all`
             first (DeepSpeed's own unit tests do). The whole write is then part of the stall, which
             is what async_ckpt exists to remove; the writes still go to any URL, with the manifest

@@ -103,9 +103,10 @@ def storage_order(obj: Any) -> list[int]:
 
 def in_place(obj: Any, relpath: str) -> StagedFile | None:
     """``obj`` itself as the file's snapshot, its host storages lent to the writer where they are: for a save
-    that training waits out (``synchronous``), whose state does not change until it is written. A snapshot
-    copy would only add a copy per byte; on a memory-backed target, where the write itself is such a copy,
-    it made the synchronous save cost training more than stock DeepSpeed's (benchmarks/RESULTS.md, "A
+    that training waits out (``synchronous``), whose state does not change until it is written, to storage
+    that copies the bytes it writes wherever they are (not :attr:`~async_ckpt.storage.base.Storage.aligned_lending`).
+    A snapshot copy would only add a copy per byte; on a memory-backed target, where the write itself is such
+    a copy, it made the synchronous save cost training more than stock DeepSpeed's (benchmarks/RESULTS.md, "A
     memory-backed target"). ``None`` where a storage is on a device: the staged copy brings it to the host.
     """
     storages = _storages(obj)

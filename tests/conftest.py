@@ -17,7 +17,18 @@ import tempfile
 
 import pytest
 
-RUN_DIR = tempfile.mkdtemp(prefix="async_ckpt_tests_")
+from async_ckpt.storage.local import memory_filesystem
+
+
+def _temporary_root() -> str | None:
+    """The system's temporary folder, or /var/tmp where that one is in memory (tmpfs): there wrap() makes
+    saves of CPU training synchronous by default, and the tests of background saves need a disk."""
+    if memory_filesystem(tempfile.gettempdir()) and os.path.isdir("/var/tmp") and not memory_filesystem("/var/tmp"):
+        return "/var/tmp"
+    return None
+
+
+RUN_DIR = tempfile.mkdtemp(prefix="async_ckpt_tests_", dir=_temporary_root())
 # Registered before multiprocessing is imported, so this runs after multiprocessing's own exit hook
 # (atexit runs last-in first-out), which removes the folders it made in RUN_DIR itself.
 atexit.register(shutil.rmtree, RUN_DIR, ignore_errors=True)

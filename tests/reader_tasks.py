@@ -104,16 +104,19 @@ def synchronous_save_that_fails(root: str) -> dict:
 
 def default_and_synchronous_saves_of_one_step(root: str, stage: int, dtype: str) -> dict:
     """The same step saved with the defaults (a staged snapshot, written in the background) and with
-    synchronous=True (the host state written in place while training waits)."""
+    synchronous=True: to buffered files (``direct_io=False``: the host state written in place while training
+    waits) and with O_DIRECT (``direct``). Per synchronous save: done when save() returned, bytes in place."""
     engine = workload.make_engine(stage, dtype)
     workload.train(engine, 1, _tokens(), _rank())
     with async_ckpt.wrap(engine, f"{root}/staged", synchronous=False) as ckpt:
         ckpt.save(tag="t").result(timeout=120)
-    with async_ckpt.wrap(engine, f"{root}/in_place", synchronous=True) as ckpt:
-        handle = ckpt.save(tag="t")
-        done_on_return = handle.done()
-    return {"done_on_return": done_on_return, "in_place_bytes": handle.metrics["in_place_bytes"],
-            "bytes_written": handle.metrics["bytes_written"]}
+    out = {}
+    for name, options in (("in_place", {"direct_io": False}), ("direct", {})):
+        with async_ckpt.wrap(engine, f"{root}/{name}", synchronous=True, **options) as ckpt:
+            handle = ckpt.save(tag="t")
+            out[name] = {"done_on_return": handle.done(), "in_place_bytes": handle.metrics["in_place_bytes"],
+                         "bytes_written": handle.metrics["bytes_written"]}
+    return out
 
 
 def synchronous_save_given_up_while_it_reads_the_state(root: str, gate: str) -> dict:

@@ -47,15 +47,36 @@ def test_a_synchronous_save_that_fails_raises_in_the_save_call_on_every_rank(ran
         assert rank["latest"] == "good"
 
 
-@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (2, "fp32"), (3, "fp32")], ids=["zero1-bf16", "zero2-fp32", "zero3-fp32"])
-def test_a_synchronous_save_writes_the_host_state_in_place_byte_for_byte_the_default_files(ranks, tmp_path, stage, dtype):
-    out = ranks.run(reader_tasks.default_and_synchronous_saves_of_one_step, str(tmp_path), stage, dtype)
-    for rank in out:
-        assert rank["done_on_return"] is True and 0 < rank["in_place_bytes"] <= rank["bytes_written"]
-    staged = sorted((tmp_path / "staged" / "t").glob("*.pt"))
+@pytest.fixture(scope="module", params=[(1, "bf16"), (2, "fp32"), (3, "fp32")], ids=["zero1-bf16", "zero2-fp32", "zero3-fp32"])
+def synchronous_saves(request, ranks, tmp_path_factory):
+    """One step saved by the defaults (staged, in the background) and synchronously to buffered and O_DIRECT files."""
+    stage, dtype = request.param
+    root = tmp_path_factory.mktemp(f"sync-zero{stage}-{dtype}")
+    return root, ranks.run(reader_tasks.default_and_synchronous_saves_of_one_step, str(root), stage, dtype)
+
+
+def _same_files(root, name: str) -> None:
+    staged = sorted((root / "staged" / "t").glob("*.pt"))
     assert len(staged) >= 3
     for path in staged:
-        assert (tmp_path / "in_place" / "t" / path.name).read_bytes() == path.read_bytes(), path.name
+        assert (root / name / "t" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_synchronous_save_to_buffered_files_writes_the_host_state_in_place_byte_for_byte_the_default_files(
+        synchronous_saves):
+    """There the write copies the bytes from wherever they are: a staging copy would only add one."""
+    root, out = synchronous_saves
+    for rank in out:
+        saved = rank["in_place"]
+        assert saved["done_on_return"] is True and 0 < saved["in_place_bytes"] <= saved["bytes_written"]
+    _same_files(root, "in_place")
+
+
+def test_a_synchronous_save_with_o_direct_is_staged_byte_for_byte_the_default_files(synchronous_saves):
+    """There the staged copy, placed like the file, is what lets the write lend its memory without a copy."""
+    root, out = synchronous_saves
+    assert [(rank["direct"]["done_on_return"], rank["direct"]["in_place_bytes"]) for rank in out] == [(True, 0)] * 2
+    _same_files(root, "direct")
 
 
 def test_a_synchronous_save_given_up_while_reading_the_state_in_place_fails_instead_of_committing(ranks, tmp_path):

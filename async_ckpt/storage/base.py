@@ -64,6 +64,11 @@ class Storage(abc.ABC):
     #: ``"tmpfs"`` or ``"ramfs"`` where the root is a folder in memory (local storage on Linux): a write
     #: there is work for the CPU, not for a device.
     memory_filesystem: str | None = None
+    #: ``True`` where lent memory is written with no copy only if its address is aligned like its file
+    #: offset (``O_DIRECT`` to a device): there a snapshot placed for it saves a copy, so even a save that
+    #: training waits out is staged. Elsewhere (a memory filesystem, buffered files, object-store parts)
+    #: the write copies the bytes from wherever they are.
+    aligned_lending: bool = False
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -306,6 +306,7 @@ class LocalStorage(FsspecStorage):
         self.direct_io = direct_io
         self.durable_writes = fsync
         self.memory_filesystem = memory_filesystem(root)
+        self.aligned_lending = direct_io and self.memory_filesystem is None
 
     def local_dir(self) -> str:
         return self.root
