@@ -231,6 +231,8 @@ class AsyncCkpt(Method):
         else:
             self.root = f"{target['url'].rstrip('/')}/{self.name}"
         self.ckpt = async_ckpt.wrap(engine, self.root, storage_options=target["storage_options"], **options)
+        if self.ckpt.synchronous and "synchronous" not in options:
+            self.note = "synchronous saves, chosen by wrap(): CPU training and a destination in memory"
         self.handles: list[Any] = []
         self.rss_before_save: list[int] = []
         self.staging_bytes: list[int] = []
