@@ -151,9 +151,11 @@ class AsyncCheckpointer:
         inflight.register(self)
         on_cpu = torch.device(getattr(engine, "device", "cpu")).type == "cpu"
         self.synchronous = self._writes_synchronously(on_cpu)
-        if on_cpu and not self.synchronous:
-            # synchronous saves write the host state in place; pinned staging (CUDA) is allocated at the first save
+        if on_cpu and (not self.synchronous or self.storage.aligned_lending):
+            # saves that stage (all but synchronous ones written in place, see _on_file); pinned staging (CUDA)
+            # is allocated at the first save
             self._pool.reserve(estimate_snapshot_bytes(engine))
+        if on_cpu and not self.synchronous:
             self._warn_of_memory_filesystems()
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
         if self._drainer is not None:
@@ -447,16 +449,20 @@ class AsyncCheckpointer:
                               in_place_bytes=sum(f.nbytes for f in files if f.in_place), **metrics)
         self._last_job = job
         self._track(handle)
-        self._writer.submit(job)
-        if self.synchronous:
-            try:
-                self._bounded(handle.wait, tag, "the save to commit (synchronous)", self.config.wait_timeout_s)
-            except BaseException:
-                if job.abandon_reads():
-                    logger.error("rank %d: tag %s is written from the training state in place and training goes "
-                                 "on before it was read: the save will fail rather than commit", self.rank, tag)
-                raise
-            self._surface_errors()
+        if not self.synchronous:
+            self._writer.submit(job)
+            return handle
+        waiting = time.perf_counter()
+        try:
+            self._writer.submit(job)
+            self._bounded(handle.wait, tag, "the save to commit (synchronous)", self.config.wait_timeout_s)
+        except BaseException:
+            if job.abandon_reads():
+                logger.error("rank %d: tag %s is written from the training state in place and training goes "
+                             "on before it was read: the save will fail rather than commit", self.rank, tag)
+            raise
+        handle.metrics["commit_wait_s"] = time.perf_counter() - waiting
+        self._surface_errors()
         return handle
 
     def _agree(self, storage: Storage, tag: str, *, replace_export: bool = False,

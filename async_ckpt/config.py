@@ -80,9 +80,10 @@ class CheckpointConfig:
         synchronous: every save (``save()``, ``engine.save_checkpoint``, consolidated saves) returns
             only once it committed on every rank, as DeepSpeed's own save returns with its files
             written; a failure is then raised or logged right there, as ``on_error`` says. Host
-            tensors are then written from where they are, with no staging copy, where the write
-            copies them anyway (a memory filesystem, buffered files, object storage; not ``O_DIRECT``
-            to a disk, where the staged copy is what spares the write a copy). For code that reads
+            tensors of DeepSpeed's checkpoint files are then written from where they are, with no
+            staging copy, where the write copies them anyway (a memory filesystem, buffered files,
+            object storage; not where ``O_DIRECT`` to a disk is asked for, where the staged copy is
+            what spares the write a copy; consolidated saves are staged). For code that reads
             the folder itself right after each save and cannot call :func:`~async_ckpt.wait_all`
             first (DeepSpeed's own unit tests do). The whole write is then part of the stall, which
             is what async_ckpt exists to remove; the writes still go to any URL, with the manifest
@@ -90,7 +91,7 @@ class CheckpointConfig:
             memory (tmpfs, ramfs) with no ``local_tier``, off elsewhere. In memory a write is CPU
             work with no device to hand it to: in the background it cost CPU training 2.6-4x stock
             DeepSpeed's save, written while training waits about stock's (benchmarks/RESULTS.md, "A
-            memory-backed target"). ``False`` writes in the background there too.
+            memory-backed target, continued"). ``False`` writes in the background there too.
         local_tier: a node-local folder (NVMe, ``/dev/shm``) where each save is written and committed
             first; each rank's drainer thread then copies the committed tag to ``url`` with a commit
             of its own (see :mod:`async_ckpt.tiers`). It may be a different folder on every node: no

@@ -37,8 +37,9 @@ class SaveHandle:
 
     ``metrics`` fills in as the save progresses: ``stall_s`` (time the training loop was blocked
     in ``save()``; of it ``snapshot_s`` staging the state, ``buffer_wait_s`` waiting for the
-    previous save), ``staging_bytes`` (of them ``in_place_bytes``: a synchronous save's host state, written
-    from where it is with no staging copy), ``step_wait_s`` (with ``overlap_copy``: the wait of the next
+    previous save), ``staging_bytes``, ``in_place_bytes`` (a synchronous save's host state, written from
+    where it is with no staging copy), ``commit_wait_s`` (a synchronous save: the wait in ``save()`` for
+    the commit, after ``stall_s``), ``step_wait_s`` (with ``overlap_copy``: the wait of the next
     optimizer step for the copy), then ``persist_s``, ``copy_wait_s`` (of it, the writer waiting
     for overlapped copies), ``bytes_written``, ``zero_copy_bytes`` (bytes written straight from
     the staging memory), ``upload_buffer_peak_bytes`` (object stores: the most part memory the

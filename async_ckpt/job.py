@@ -55,7 +55,11 @@ class SaveJob:
 
     @property
     def staged_bytes(self) -> int:
-        return sum(f.nbytes for f in self.files)
+        return sum(f.nbytes for f in self.files if not f.in_place)
+
+    @property
+    def reads_abandoned(self) -> bool:
+        return self._reads_abandoned
 
     def release_buffers(self) -> bool:
         """The staged tensors are no longer read: the next save may overwrite them. False where training

@@ -109,12 +109,15 @@ def in_place(obj: Any, relpath: str) -> StagedFile | None:
     a copy, it made the synchronous save cost training more than stock DeepSpeed's (benchmarks/RESULTS.md, "A
     memory-backed target"). ``None`` where a storage is on a device: the staged copy brings it to the host.
     """
-    storages = _storages(obj)
+    try:
+        storages = _storages(obj)
+    except Exception:  # noqa: BLE001 - something that does not pickle: the staged snapshot names it (UsageError)
+        return None
     if any(s.device.type != "cpu" for s in storages):
         return None
     regions = sorted({(s.data_ptr(), s.nbytes()) for s in storages if s.nbytes()})
     return StagedFile(relpath=relpath, obj=obj, nbytes=sum(size for _, size in regions), regions=regions,
-                      in_place=True)
+                      in_place=True, lent_storages=storages)
 
 
 class _Discard:

@@ -98,6 +98,9 @@ class StagedFile:
     #: ``obj`` is the training state itself, not a copy (:func:`~async_ckpt.serialization.in_place`): it is
     #: valid only while training waits for the save.
     in_place: bool = False
+    #: With ``in_place``: the storages lent, held so that the memory at ``regions`` stays allocated until
+    #: the file is written even where training rebinds its tensors to new ones meanwhile.
+    lent_storages: list[torch.UntypedStorage] = field(default_factory=list)
 
 
 @dataclass

@@ -128,6 +128,8 @@ class BackgroundWriter:
             scratch_dir = self._scratch_dir(job)
             streamed = job.max_shard_bytes is None and scratch_dir is None
             for staged in job.files:
+                if job.reads_abandoned:  # training went on: stop reading its state, the save fails below
+                    break
                 current = staged.relpath
                 if staged.deferred and not streamed:  # copied in the background; no hook inside this write
                     copy_wait.all()

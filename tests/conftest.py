@@ -20,12 +20,12 @@ import pytest
 from async_ckpt.storage.local import memory_filesystem
 
 
-def _temporary_root() -> str | None:
-    """The system's temporary folder, or /var/tmp where that one is in memory (tmpfs): there wrap() makes
-    saves of CPU training synchronous by default, and the tests of background saves need a disk."""
-    if memory_filesystem(tempfile.gettempdir()) and os.path.isdir("/var/tmp") and not memory_filesystem("/var/tmp"):
-        return "/var/tmp"
-    return None
+def _temporary_root() -> str:
+    """The system's temporary folder, else /var/tmp, else the repository's folder: the first one not in memory
+    (tmpfs). There wrap() makes saves of CPU training synchronous by default, and the tests of background
+    saves need a disk."""
+    candidates = [tempfile.gettempdir(), "/var/tmp", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    return next((path for path in candidates if os.path.isdir(path) and not memory_filesystem(path)), candidates[0])
 
 
 RUN_DIR = tempfile.mkdtemp(prefix="async_ckpt_tests_", dir=_temporary_root())

@@ -31,15 +31,15 @@ def _tokens():
 
 
 @contextlib.contextmanager
-def async_ckpt_log(level: int = logging.DEBUG) -> Iterator[list[str]]:
-    """Every async_ckpt log line (``level`` and up) emitted on this rank meanwhile, formatted, in a list."""
+def async_ckpt_log(at_least: int = logging.DEBUG) -> Iterator[list[str]]:
+    """Every async_ckpt log line (``at_least`` that level) emitted on this rank meanwhile, formatted, in a list."""
     lines: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(self.format(record))
 
-    handler = Keep(level)
+    handler = Keep(at_least)
     logger = logging.getLogger("async_ckpt")
     level = logger.level
     logger.addHandler(handler)
@@ -230,12 +230,14 @@ def save_while_previous_persists(root: str, gate: str) -> dict:
 def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dict:
     """Every misuse gives a typed error; returns ``{case: (error type, message)}`` and what was written,
     and the warnings of wrap() on ``root`` and on ``memory_root`` (a tmpfs folder) and whether it chose
-    synchronous saves, with ``synchronous`` unset, True and False."""
+    synchronous saves, with ``synchronous`` unset, True and False, and unset with a local tier on ``root``'s disk."""
     engine = workload.make_engine(1, "fp32")
     out: dict = {}
+    tier = os.path.join(os.path.dirname(root), "tier")
     for case, url, options in [("disk", root, {}), ("memory", memory_root, {}),
                                ("memory_synchronous", memory_root, {"synchronous": True}),
-                               ("memory_background", memory_root, {"synchronous": False})]:
+                               ("memory_background", memory_root, {"synchronous": False}),
+                               ("memory_tiered", memory_root, {"local_tier": tier})]:
         if url is not None:
             with async_ckpt_log(logging.WARNING) as lines:
                 ckpt = async_ckpt.wrap(engine, url, **options)

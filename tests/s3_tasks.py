@@ -35,7 +35,7 @@ def default_and_synchronous_saves_to_bucket(url: str, options: dict) -> dict:
         ckpt.save(tag="t").result(timeout=300)
     with async_ckpt.wrap(engine, f"{url}/in_place", storage_options=options, synchronous=True) as ckpt:
         handle = ckpt.save(tag="t")
-    return {"done_on_return": handle.done(), "in_place_bytes": handle.metrics["in_place_bytes"]}
+    return {"in_place_bytes": handle.metrics["in_place_bytes"]}
 
 
 def _async_ckpt_threads() -> list[str]:

@@ -50,8 +50,20 @@ def test_wrap_chooses_synchronous_saves_where_cpu_training_saves_to_tmpfs(outcom
     """In memory the write is CPU work: written while training waits it costs training less than in the background."""
     if memory_root is None:
         pytest.skip("/dev/shm is not a tmpfs here")
-    for seen in outcomes:
-        assert seen["synchronous_memory"] is True and seen["wrap_warnings_memory"] == []
+    assert [seen["synchronous_memory"] for seen in outcomes] == [True, True]
+
+
+def test_wrap_does_not_warn_of_memory_where_it_chose_synchronous_saves(outcomes, memory_root):
+    if memory_root is None:
+        pytest.skip("/dev/shm is not a tmpfs here")
+    assert [seen["wrap_warnings_memory"] for seen in outcomes] == [[], []]
+
+
+def test_wrap_keeps_background_saves_to_tmpfs_that_a_local_tier_takes_first(outcomes, memory_root):
+    """A synchronous save would wait for the drain to the URL as well."""
+    if memory_root is None:
+        pytest.skip("/dev/shm is not a tmpfs here")
+    assert [seen["synchronous_memory_tiered"] for seen in outcomes] == [False, False]
 
 
 def test_wrap_warns_that_a_background_save_to_tmpfs_costs_cpu_training_more(outcomes, memory_root):
