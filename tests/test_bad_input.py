@@ -35,6 +35,12 @@ def memory_root():
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture()
+def tmpfs(memory_root):
+    """The tmpfs folder the outcomes were taken with; the test is skipped where there is none."""
+    return memory_root
+
+
 @pytest.fixture(scope="module")
 def outcomes(ranks, tmp_path_factory, memory_root):
     root = tmp_path_factory.mktemp("bad")
@@ -46,38 +52,28 @@ def outcomes(ranks, tmp_path_factory, memory_root):
     return results
 
 
-def test_wrap_chooses_synchronous_saves_where_cpu_training_saves_to_tmpfs(outcomes, memory_root):
+def test_wrap_chooses_synchronous_saves_where_cpu_training_saves_to_tmpfs(outcomes, tmpfs):
     """In memory the write is CPU work: written while training waits it costs training less than in the background."""
-    if memory_root is None:
-        pytest.skip("/dev/shm is not a tmpfs here")
     assert [seen["synchronous_memory"] for seen in outcomes] == [True, True]
 
 
-def test_wrap_does_not_warn_of_memory_where_it_chose_synchronous_saves(outcomes, memory_root):
-    if memory_root is None:
-        pytest.skip("/dev/shm is not a tmpfs here")
+def test_wrap_does_not_warn_of_memory_where_it_chose_synchronous_saves(outcomes, tmpfs):
     assert [seen["wrap_warnings_memory"] for seen in outcomes] == [[], []]
 
 
-def test_wrap_keeps_background_saves_to_tmpfs_that_a_local_tier_takes_first(outcomes, memory_root):
+def test_wrap_keeps_background_saves_to_tmpfs_that_a_local_tier_takes_first(outcomes, tmpfs):
     """A synchronous save would wait for the drain to the URL as well."""
-    if memory_root is None:
-        pytest.skip("/dev/shm is not a tmpfs here")
     assert [seen["synchronous_memory_tiered"] for seen in outcomes] == [False, False]
 
 
-def test_wrap_warns_that_a_background_save_to_tmpfs_costs_cpu_training_more(outcomes, memory_root):
-    if memory_root is None:
-        pytest.skip("/dev/shm is not a tmpfs here")
+def test_wrap_warns_that_a_background_save_to_tmpfs_costs_cpu_training_more(outcomes, tmpfs):
     for rank, seen in enumerate(outcomes):
         [warning] = seen["wrap_warnings_memory_background"]
-        assert f"rank {rank}: {memory_root}" in warning and "tmpfs" in warning and "synchronous=True" in warning
+        assert f"rank {rank}: {tmpfs}" in warning and "tmpfs" in warning and "synchronous=True" in warning
         assert seen["synchronous_memory_background"] is False
 
 
-def test_wrap_does_not_warn_of_memory_with_synchronous_saves(outcomes, memory_root):
-    if memory_root is None:
-        pytest.skip("/dev/shm is not a tmpfs here")
+def test_wrap_does_not_warn_of_memory_with_synchronous_saves(outcomes, tmpfs):
     assert [seen["wrap_warnings_memory_synchronous"] for seen in outcomes] == [[], []]
 
 
