@@ -446,7 +446,7 @@ class AsyncCheckpointer:
         if self._local is not None:
             metrics = {**metrics, "tier": "local" if tiered else "durable"}
         handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes,
-                              in_place_bytes=sum(f.nbytes for f in files if f.in_place), **metrics)
+                              in_place_bytes=job.in_place_bytes, **metrics)
         self._last_job = job
         self._track(handle)
         if not self.synchronous:

@@ -58,6 +58,10 @@ class SaveJob:
         return sum(f.nbytes for f in self.files if not f.in_place)
 
     @property
+    def in_place_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files if f.in_place)
+
+    @property
     def reads_abandoned(self) -> bool:
         return self._reads_abandoned
 
