@@ -151,9 +151,10 @@ class AsyncCheckpointer:
         inflight.register(self)
         on_cpu = torch.device(getattr(engine, "device", "cpu")).type == "cpu"
         self.synchronous = self._writes_synchronously(on_cpu)
-        if on_cpu and (not self.synchronous or self.storage.aligned_lending):
-            # saves that stage (all but synchronous ones written in place, see _on_file); pinned staging (CUDA)
-            # is allocated at the first save
+        stages = any(tier is not None and tier.aligned_lending for tier in (self.storage, self._local))
+        if on_cpu and (not self.synchronous or stages):
+            # saves that stage (all but synchronous ones written in place, see _on_file), to either tier; pinned
+            # staging (CUDA) is allocated at the first save
             self._pool.reserve(estimate_snapshot_bytes(engine))
         if on_cpu and not self.synchronous:
             self._warn_of_memory_filesystems()
