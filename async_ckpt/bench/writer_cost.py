@@ -8,7 +8,11 @@ written again and again to a local folder, alternating the two ways the writer c
   memory was lent to storage; what every byte costs where nothing is lent, as on S3), each
   checksummed once as it streams;
 - ``lending``: large records written straight from the staging buffers (placed by the previous
-  write, and written ahead), checksummed on the CRC threads as in a save.
+  write, and written ahead), checksummed on the CRC threads as in a save;
+- ``in_place``: the state itself, not a staged copy, lent as a synchronous save lends it
+  (:func:`~async_ckpt.serialization.in_place`);
+- ``torch_save``: stock DeepSpeed's write, ``torch.save`` of the state to a file in the same folder
+  (no fsync, as DeepSpeed's Torch engine does not fsync either).
 
 CPU time is what a busy training machine pays; wall time is what a quiet one waits.
 Run: ``python -m async_ckpt.bench.writer_cost --mb 600 --repeats 5 --dir /path/on/the/disk``.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import tempfile
@@ -25,7 +30,7 @@ import time
 
 import torch
 
-from async_ckpt.serialization import Lending, write_torch_file
+from async_ckpt.serialization import Lending, in_place, write_torch_file
 from async_ckpt.staging import StagingPool
 from async_ckpt.storage.local import LocalStorage
 
@@ -43,12 +48,18 @@ def measure(mb: int, repeats: int, folder: str) -> dict:
     lending = Lending(staged.regions, staged.placements)
     write_torch_file(storage, "tag/optim.pt", staged.obj, tag_dir="tag", rank=0, lending=lending)  # places
     staged = pool.snapshot(state, "tag/optim.pt", slot_key="optim.pt", defer=False)
-    runs: dict[str, list[tuple[float, float]]] = {"copying": [], "lending": []}
+    live = in_place(state, "tag/optim.pt")
+    assert live is not None  # host tensors
+    runs: dict[str, list[tuple[float, float]]] = {"copying": [], "lending": [], "in_place": [], "torch_save": []}
     for _ in range(repeats):
         for way in runs:
-            lending = Lending(staged.regions, staged.placements) if way == "lending" else None
             cpu, wall = _cpu_s(), time.perf_counter()
-            write_torch_file(storage, "tag/optim.pt", staged.obj, tag_dir="tag", rank=0, lending=lending)
+            if way == "torch_save":
+                torch.save(state, os.path.join(folder, "stock.pt"))
+            else:
+                source = live if way == "in_place" else staged
+                lending = None if way == "copying" else Lending(source.regions, source.placements)
+                write_torch_file(storage, "tag/optim.pt", source.obj, tag_dir="tag", rank=0, lending=lending)
             runs[way].append((time.perf_counter() - wall, _cpu_s() - cpu))
     return {way: {"wall_s": statistics.median(w for w, _ in r), "cpu_s": statistics.median(c for _, c in r),
                   "gbps": mb * 1024 * 1024 / statistics.median(w for w, _ in r) / 1e9} for way, r in runs.items()}
