@@ -30,7 +30,7 @@ from async_ckpt import inflight
 from async_ckpt.catalog import read_manifest
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
-from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot_bytes
+from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, CorruptManifestError,
                                SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
@@ -152,10 +152,12 @@ class AsyncCheckpointer:
         on_cpu = torch.device(getattr(engine, "device", "cpu")).type == "cpu"
         self.synchronous = self._writes_synchronously(on_cpu)
         stages = any(tier is not None and tier.aligned_lending for tier in (self.storage, self._local))
-        if on_cpu and (not self.synchronous or stages):
-            # saves that stage (all but synchronous ones written in place, see _on_file), to either tier; pinned
-            # staging (CUDA) is allocated at the first save
-            self._pool.reserve(estimate_snapshot_bytes(engine))
+        if not on_cpu or not self.synchronous or stages:
+            # saves that stage (device tensors always; host tensors unless a synchronous save writes them in
+            # place, see _on_file), to either tier; pinned where the partitions are on CUDA
+            estimate = estimate_snapshot(engine)
+            cuda = estimate.device is not None and estimate.device.type == "cuda"
+            self._pool.reserve(estimate.nbytes, pin_for=estimate.device if cuda else None)
         if on_cpu and not self.synchronous:
             self._warn_of_memory_filesystems()
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -121,11 +121,20 @@ def deferred_clones() -> Iterator[None]:
 _FP32_PARTITIONS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
 
 
-def estimate_snapshot_bytes(engine: Any) -> int:
-    """Host bytes this rank's snapshot will need, from the engine before any save: Adam's fp32 master
-    partitions and its two moments (three times the partitions; the moments may not exist before the
-    first step) plus this rank's module parameters (the model-states file). An estimate, for reserving
-    staging memory ahead of the first save; 0 where the engine's optimizer keeps no partitions we know."""
+class SnapshotEstimate(NamedTuple):
+    """What a rank's snapshot will need, from the engine before any save (see :func:`estimate_snapshot`)."""
+
+    nbytes: int
+    #: Where the fp32 partitions live (most of the bytes): on CUDA, staging worth pinning ahead of the
+    #: first save; on the CPU (ZeRO-Offload, CPU training), copies that pinning would not speed up.
+    device: torch.device | None
+
+
+def estimate_snapshot(engine: Any) -> SnapshotEstimate:
+    """Host bytes this rank's snapshot will need: Adam's fp32 master partitions and its two moments
+    (three times the partitions; the moments may not exist before the first step) plus this rank's
+    module parameters (the model-states file). An estimate, for reserving staging memory ahead of the
+    first save; 0 bytes where the engine's optimizer keeps no partitions we know."""
     optimizer = getattr(engine, "optimizer", None)
     partitions = next((getattr(optimizer, name) for name in _FP32_PARTITIONS if getattr(optimizer, name, None)), None)
     if partitions is None:
@@ -133,8 +142,9 @@ def estimate_snapshot_bytes(engine: Any) -> int:
         while getattr(base, "optimizer", None) is not None:  # mixed-precision wrappers around a torch optimizer
             base = base.optimizer
         partitions = [p for group in getattr(base, "param_groups", ()) for p in group["params"]]
-    fp32 = sum(t.numel() * t.element_size() for t in partitions if isinstance(t, torch.Tensor))
+    tensors = [t for t in partitions if isinstance(t, torch.Tensor)]
+    fp32 = sum(t.numel() * t.element_size() for t in tensors)
     if not fp32:
-        return 0
+        return SnapshotEstimate(0, None)
     module = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in engine.module.parameters())
-    return 3 * fp32 + module
+    return SnapshotEstimate(3 * fp32 + module, tensors[0].device)

@@ -8,15 +8,16 @@ of its storage, owned by this pool; tensors that share a storage keep sharing on
 file and position, so the second and every later save reuses the memory of the first (a fresh
 allocation costs page faults: about 4x slower than a copy into memory already touched).
 
-On CUDA the buffers are pinned and the device-to-host copies run non-blocking on a dedicated
-stream, tracked by events; on CPU, deferred copies run on one helper thread owned by the pool.
-Either way a :class:`CopyTicket` says when the snapshot is safe, as a whole and buffer by buffer.
+The buffers are carved from anonymous mappings (:mod:`async_ckpt.host_memory`), reserved and faulted
+in ahead of the first save. On CUDA those mappings are pinned where they lie and the device-to-host
+copies run non-blocking on a dedicated stream, tracked by events; on CPU, deferred copies run on one
+helper thread owned by the pool. Either way a :class:`CopyTicket` says when the snapshot is safe, as
+a whole and buffer by buffer.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import functools
 import logging
 import mmap
@@ -27,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from async_ckpt import host_memory
 from async_ckpt.errors import UsageError
 from async_ckpt.storage.base import buffer_address
 
@@ -141,32 +143,37 @@ class StagingPool:
         self._trimming: Future[None] | None = None
         self._helper: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}
+        self._pinned = host_memory.PinnedMappings()
+        self._reserve_pin: torch.device | None = None  # the CUDA device the reserve is pinned for
         self.allocations = 0
 
     @property
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._slots.values())
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, *, pin_for: torch.device | None = None) -> None:
         """Map ``nbytes`` of host memory and fault it in on the pool's helper thread, so that the first
         snapshot copies into memory already touched (faulting in fresh pages costs several times the
-        copy) and the first save stalls no longer than the next ones. The first snapshots carve their
-        buffers out of it; :meth:`trim_reserve` gives back what they left. Starting the helper thread
-        here also keeps its start (milliseconds on a busy machine) out of the first save's stall."""
+        copy) and the first save stalls no longer than the next ones. With ``pin_for`` (a CUDA device)
+        the memory is then pinned there too, which takes seconds for gigabytes: from ``wrap()``, not in
+        the first save. The first snapshots carve their buffers out of it; :meth:`trim_reserve` gives
+        back what they left. Starting the helper thread here also keeps its start (milliseconds on a
+        busy machine) out of the first save's stall."""
         if nbytes <= 0 or self._reserve is not None:
             return
-        self._reserve = mmap.mmap(-1, nbytes)
-        self._reserving = self._helper_thread().submit(_populate, self._reserve)
+        self._reserve, self._reserve_pin = mmap.mmap(-1, nbytes), pin_for
+        self._reserving = self._helper_thread().submit(self._fault_in, self._reserve, pin_for)
 
     def trim_reserve(self) -> None:
         """After the first save's snapshots: return the reserved memory they did not use to the system,
         on the helper thread after the save's copies (freeing hundreds of MB takes tens of milliseconds:
-        not the stall's)."""
+        not the stall's). A pinned reserve is unpinned once the copies into it are done, and what the
+        snapshots use is pinned again before the next snapshot."""
         if self._reserve is None or self._reserving is None or self._trimming is not None:
             return
         start = -(-self._reserve_used // mmap.PAGESIZE) * mmap.PAGESIZE
         self._reserve_used = len(self._reserve)  # nothing more is carved from it
-        self._trimming = self._helper_thread().submit(_release_tail, self._reserve, start)
+        self._trimming = self._helper_thread().submit(self._trim, self._reserve, start)
 
     @property
     def aligned_slots(self) -> int:
@@ -179,6 +186,8 @@ class StagingPool:
 
         ``compact`` stages what DeepSpeed's clone before saving would produce (see :class:`_Memo`).
         """
+        if self._reserve_pin is not None and self._trimming is not None:
+            self._trimming.result()  # the reserve is pinned again before any copy into it
         pairs: list[CopyPair] = []
         memo = _Memo(compact=compact)
         counter = iter(range(1 << 62))
@@ -223,6 +232,8 @@ class StagingPool:
         if self._helper is not None:
             self._helper.shutdown(wait=True)  # after the copies, the reservation's faulting-in and trim
             self._helper = None
+        self._synchronize_streams()
+        self._pinned.unpin_all()
         self._slots.clear()
         self._bases.clear()
         self._placements.clear()
@@ -237,6 +248,28 @@ class StagingPool:
                                               initializer=self._copier_init)
             self._helper.submit(lambda: None)  # the thread starts now, not at the first save
         return self._helper
+
+    # The helper thread's memory work: faulting in, trimming and pinning (its CUDA calls then leave their
+    # per-thread last error on that thread, away from training's).
+    def _fault_in(self, mapping: mmap.mmap, pin_for: torch.device | None) -> None:
+        host_memory.populate(mapping)
+        if pin_for is not None:
+            self._pinned.pin(mapping, len(mapping), pin_for)
+
+    def _trim(self, mapping: mmap.mmap, start: int) -> None:
+        if start >= len(mapping):
+            return
+        pinned = mapping in self._pinned
+        if pinned:
+            self._synchronize_streams()  # the copies into these pages end before they are unpinned
+            self._pinned.unpin(mapping)
+        host_memory.release_tail(mapping, start)
+        if pinned and start:
+            self._pinned.pin(mapping, start, self._reserve_pin)
+
+    def _synchronize_streams(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.synchronize()
 
     def _copy_on_side_stream(self, pairs: list[CopyPair]) -> dict[int, Callable[[], None]]:
         """Queue the copies on the device's side stream; per destination buffer, what waits for its copy."""
@@ -256,26 +289,30 @@ class StagingPool:
             src.record_stream(stream)  # the allocator must not hand src's memory out before the copy ran
         return done
 
-    def _buffer_for(self, slot: tuple[str, int], nbytes: int, pin: bool) -> torch.Tensor:
-        if pin:
-            buf = self._slots.get(slot)
-            if buf is None or buf.numel() != nbytes or (nbytes and not buf.is_pinned()):  # empty never pins
-                buf = self._slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
-                self.allocations += 1
-            return buf
-        return self._placed_buffer(slot, nbytes)
+    def _buffer_for(self, slot: tuple[str, int], nbytes: int, device: torch.device) -> torch.Tensor:
+        """A host buffer for a copy from ``device``; for a CUDA one, pinned (see :meth:`_placed_buffer`)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return self._placed_buffer(slot, nbytes, pin_for=device if device.type == "cuda" else None)
 
-    def _placed_buffer(self, slot: tuple[str, int], nbytes: int) -> torch.Tensor:
+    def _placed_buffer(self, slot: tuple[str, int], nbytes: int, pin_for: torch.device | None) -> torch.Tensor:
         """A host buffer whose address is congruent, modulo :data:`PLACEMENT_ALIGN`, to the file offset
         the same slot's bytes were written at last time (the record layout repeats from save to save).
 
         Aligned so, a buffer can be written with ``O_DIRECT`` straight from its memory (see
         :class:`~async_ckpt.storage.local.DirectWriter`). Each buffer sits in an anonymous mapping
-        :data:`PLACEMENT_ALIGN` bytes larger than itself, so moving it costs no new allocation.
+        :data:`PLACEMENT_ALIGN` bytes larger than itself, so moving it costs no new allocation. A buffer
+        for copies from ``pin_for`` (a CUDA device) lies in memory pinned for it: the reserve if that was
+        pinned for the device, else a mapping of its own, pinned here (ZeRO-Offload's reserve, for its
+        host partitions, is not pinned).
         """
         buf, base = self._slots.get(slot), self._bases.get(slot)
         if base is None or base[2] != nbytes + PLACEMENT_ALIGN:
-            base = self._bases[slot] = self._carve(nbytes + PLACEMENT_ALIGN)
+            if base is not None and base[0] is not self._reserve and base[0] in self._pinned:
+                self._helper_thread().submit(self._pinned.unpin, base[0]).result()  # before it is unmapped
+            base = self._bases[slot] = self._carve(nbytes + PLACEMENT_ALIGN, pin_for in (None, self._reserve_pin))
+            if pin_for is not None and nbytes and base[0] is not self._reserve:
+                self._helper_thread().submit(self._pinned.pin, base[0], base[2], pin_for).result()
             buf = None
             self.allocations += 1
         written_at = self._placements.get(buf.data_ptr()) if buf is not None else None
@@ -290,9 +327,10 @@ class StagingPool:
                 self._placements[buf.data_ptr()] = written_at
         return buf
 
-    def _carve(self, length: int) -> tuple[mmap.mmap, int, int]:
-        """``length`` bytes of the reserve (once its pages are faulted in), else a new mapping."""
-        if self._reserve is not None and self._reserve_used + length <= len(self._reserve):
+    def _carve(self, length: int, from_reserve: bool) -> tuple[mmap.mmap, int, int]:
+        """``length`` bytes of the reserve (once its pages are faulted in) if ``from_reserve`` and it has
+        them left, else a new mapping."""
+        if from_reserve and self._reserve is not None and self._reserve_used + length <= len(self._reserve):
             if self._reserving is not None:
                 self._reserving.result()
             start = -(-self._reserve_used // PLACEMENT_ALIGN) * PLACEMENT_ALIGN
@@ -313,7 +351,7 @@ class StagingPool:
         key = storage._cdata  # the storage's identity, as torch.save keys it
         staged = memo.storages.get(key)
         if staged is None:
-            staged = self._buffer_for((slot_key, next(counter)), storage.nbytes(), pin=src.device.type == "cuda")
+            staged = self._buffer_for((slot_key, next(counter)), storage.nbytes(), src.device)
             whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage)
             pairs.append((staged, whole))
             memo.storages[key] = staged
@@ -324,7 +362,7 @@ class StagingPool:
         """A host tensor laid out as ``src.detach().clone()`` would be, in a pooled buffer of its own."""
         layout = torch.empty_like(src, device="meta")  # the strides clone() picks (preserve_format)
         nbytes = src.numel() * src.element_size()
-        staged = self._buffer_for((slot_key, next(counter)), nbytes, pin=src.device.type == "cuda")
+        staged = self._buffer_for((slot_key, next(counter)), nbytes, src.device)
         dst = torch.empty(0, dtype=src.dtype).set_(staged.untyped_storage(), 0, layout.size(), layout.stride())
         pairs.append((dst, src.detach()))
         return dst
@@ -384,24 +422,6 @@ class StagingPool:
         if memo.compact:
             return tuple(elements)  # as DeepSpeed's clone rebuilds tuples
         return type(obj)(*elements) if hasattr(obj, "_fields") else type(obj)(elements)
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without writing them
-
-
-def _populate(mapping: mmap.mmap) -> None:
-    """Fault in every page of ``mapping``, off the GIL (ctypes calls release it): ``madvise`` where
-    the kernel can, else by zero-filling it through torch (which releases the GIL too)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(buffer_address(mapping), len(mapping), _MADV_POPULATE_WRITE) != 0:
-        torch.frombuffer(mapping, dtype=torch.uint8).zero_()
-
-
-def _release_tail(mapping: mmap.mmap, start: int) -> None:
-    """Give the pages of ``mapping`` from ``start`` on back to the system (run after its faulting-in)."""
-    if start < len(mapping):
-        mapping.madvise(mmap.MADV_DONTNEED, start, len(mapping) - start)
 
 
 def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, CopyPair]]:

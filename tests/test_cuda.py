@@ -16,6 +16,7 @@ import cuda_tasks
 from rank_tasks import same_tensors
 from async_ckpt.launch import RankGroup
 from async_ckpt.staging import StagingPool
+from async_ckpt.storage.base import buffer_address
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
@@ -56,6 +57,41 @@ def test_gpu_snapshots_reuse_the_pinned_buffers_of_the_first():
     first = (pool.allocations, pool.allocated_bytes)
     pool.snapshot(_gpu_state(), "m.pt", slot_key="m", defer=False)
     assert (pool.allocations, pool.allocated_bytes) == first
+
+
+def test_the_first_gpu_snapshot_is_staged_in_the_reserve_pinned_ahead_of_it():
+    pool = StagingPool()
+    pool.reserve(64 << 20, pin_for=torch.device("cuda", torch.cuda.current_device()))
+    pool._reserving.result()
+    assert torch.frombuffer(pool._reserve, dtype=torch.uint8, count=1).is_pinned()  # before any snapshot
+    staged = pool.snapshot(_gpu_state(), "m.pt", slot_key="m", defer=False)
+    start = buffer_address(pool._reserve)
+    assert all(start <= address < start + (64 << 20) for address, _ in staged.regions)
+    assert all(tensor.is_pinned() for tensor in (staged.obj["module"]["w"], staged.obj["optimizer"]["exp_avg"]))
+    assert torch.equal(staged.obj["module"]["w"], _gpu_state()["module"]["w"].cpu())
+    pool.close()
+
+
+def test_gpu_snapshots_after_the_reserve_is_trimmed_stay_pinned_and_exact():
+    pool = StagingPool()
+    pool.reserve(64 << 20, pin_for=torch.device("cuda", torch.cuda.current_device()))
+    first = pool.snapshot(_gpu_state(), "m.pt", slot_key="m", defer=True)
+    pool.copy(first.deferred, background=True)
+    pool.trim_reserve()  # unpins once those copies are done, then pins what they use again
+    again = pool.snapshot(_gpu_state(), "m.pt", slot_key="m", defer=True)
+    pool.copy(again.deferred, background=True).wait()
+    assert again.obj["module"]["w"].is_pinned()
+    assert torch.equal(again.obj["module"]["w"], _gpu_state()["module"]["w"].cpu())
+    pool.close()
+
+
+def test_gpu_buffers_beyond_the_pinned_reserve_are_pinned_on_their_own():
+    pool = StagingPool()
+    pool.reserve(1 << 20, pin_for=torch.device("cuda", torch.cuda.current_device()))  # too small for the state
+    staged = pool.snapshot(_gpu_state(), "m.pt", slot_key="m", defer=False)
+    assert staged.obj["module"]["w"].is_pinned()
+    assert torch.equal(staged.obj["module"]["w"], _gpu_state()["module"]["w"].cpu())
+    pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ and the manifest's checksums are exactly what the copying path produced before.
 
 from __future__ import annotations
 
+import gc
 import io
+import logging
 import mmap
 import os
 import shutil
@@ -19,7 +21,7 @@ import zlib
 import pytest
 import torch
 
-from async_ckpt import checksum, torch_zip
+from async_ckpt import checksum, host_memory, torch_zip
 from async_ckpt.checksum import crc32_combine, format_crc
 from async_ckpt.serialization import ChecksumWriter, Lending, storage_order, write_torch_file
 from async_ckpt import staging
@@ -123,6 +125,60 @@ def test_the_first_save_starts_no_thread_after_the_reservation():
     ticket.wait()
     assert torch.equal(staged.obj["flat"], state["flat"])
     pool.close()
+
+
+def test_a_reserve_that_cannot_be_pinned_serves_the_first_snapshot_unpinned_with_a_warning(monkeypatch, caplog):
+    """Pinning for CUDA can fail (a locked-memory limit): saves go on with pageable staging and the
+    warning says what to raise."""
+    monkeypatch.setattr(host_memory, "register", lambda mapping, length, device: "out of memory")
+    pool = StagingPool()
+    with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+        pool.reserve(64 * MiB, pin_for=torch.device("cuda", 0))
+        staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    start = buffer_address(pool._reserve)
+    assert all(start <= address < start + 64 * MiB for address, size in staged.regions if size >= MiB)
+    assert torch.equal(staged.obj["flat"], _state()["flat"])
+    assert "could not pin" in caplog.text and "out of memory" in caplog.text and "ulimit -l" in caplog.text
+    pool.close()
+
+
+def test_a_pinned_reserve_is_unpinned_before_its_tail_is_released_and_again_at_close(monkeypatch):
+    """The CUDA runtime's side recorded (no GPU here): pages stay locked for the life of the process
+    unless unpinned before they are released or unmapped, and what the first snapshot uses is pinned
+    again once the unused tail is gone."""
+    calls = []
+    release_tail = host_memory.release_tail
+    monkeypatch.setattr(host_memory, "register", lambda mapping, length, device: calls.append(
+        ("pin", buffer_address(mapping), length)))
+    monkeypatch.setattr(host_memory, "unregister", lambda address, device: calls.append(("unpin", address)))
+    monkeypatch.setattr(host_memory, "release_tail", lambda mapping, start: (
+        calls.append(("release", buffer_address(mapping), start)), release_tail(mapping, start)))
+    pool = StagingPool()
+    pool.reserve(64 * MiB, pin_for=torch.device("cuda", 0))
+    reserve = buffer_address(pool._reserve)
+    pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    pool.trim_reserve()
+    pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)  # waits for the pinning after the trim
+    pool.close()
+    head = next(call[2] for call in calls if call[0] == "release")
+    assert calls == [("pin", reserve, 64 * MiB), ("unpin", reserve), ("release", reserve, head),
+                     ("pin", reserve, head), ("unpin", reserve)]
+    assert 0 < head < 64 * MiB
+
+
+def test_a_pool_never_closed_unpins_its_memory_when_collected(monkeypatch):
+    """Else its locked pages would stay locked for the life of the process."""
+    unpinned = []
+    monkeypatch.setattr(host_memory, "register", lambda mapping, length, device: None)
+    monkeypatch.setattr(host_memory, "unregister", lambda address, device: unpinned.append(address))
+    pool = StagingPool()
+    pool.reserve(4 * MiB, pin_for=torch.device("cuda", 0))
+    pool._reserving.result()
+    reserve = buffer_address(pool._reserve)
+    pool._helper.shutdown(wait=True)
+    del pool
+    gc.collect()
+    assert unpinned.count(reserve) == 1
 
 
 @pytest.mark.parametrize("misalign", [0, 64], ids=["aligned", "misaligned"])
