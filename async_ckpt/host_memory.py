@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import weakref
 
 import torch
 
@@ -57,12 +56,13 @@ def register(mapping: mmap.mmap, length: int, device: torch.device) -> str | Non
         with torch.cuda.device(device):
             cudart = torch.cuda.cudart()
             error = cudart.cudaHostRegister(buffer_address(mapping), length, _CUDA_HOST_REGISTER_PORTABLE)
-            failure = None if error == cudart.cudaError.success else str(cudart.cudaGetErrorString(error))
-    except (OSError, RuntimeError) as exc:
-        failure = str(exc)
-    if failure is not None:
+            if error == cudart.cudaError.success:
+                return None
+            failure = str(cudart.cudaGetErrorString(error))
         mapping.madvise(mmap.MADV_DOFORK, 0, length)
-    return failure
+        return failure
+    except (OSError, RuntimeError) as exc:
+        return str(exc)
 
 
 def unregister(address: int, device: torch.device) -> str | None:
@@ -77,18 +77,15 @@ def unregister(address: int, device: torch.device) -> str | None:
 
 
 class PinnedMappings:
-    """The mappings a staging pool has pinned, each unpinned before its pages go back to the system.
+    """The mappings a staging pool has pinned, to be unpinned before their pages go back to the system
+    (locked pages stay locked for the life of the process if their mapping is unmapped while pinned).
 
-    Locked pages stay locked for the life of the process if their mapping is unmapped while pinned,
-    so whatever is still pinned when this object is collected (a pool never closed) is unpinned then.
-    Not thread-safe: the pool calls it from its helper thread, or from the training thread while the
-    helper is idle.
+    It holds each mapping it pinned, so none is unmapped before :meth:`unpin` or :meth:`unpin_all`. Not
+    thread-safe: the pool calls it from its helper thread, or from another while the helper is idle.
     """
 
     def __init__(self) -> None:
         self._pinned: dict[int, tuple[mmap.mmap, torch.device]] = {}
-        finalizer = weakref.finalize(self, _unregister_each, self._pinned)
-        finalizer.atexit = False  # at exit the process's pages go back anyway, and CUDA may be gone already
 
     def __contains__(self, mapping: mmap.mmap) -> bool:
         return buffer_address(mapping) in self._pinned
@@ -113,8 +110,9 @@ class PinnedMappings:
             _unregister(self._pinned, address)
 
     def unpin_all(self) -> None:
-        """Unpin everything (once no copy is in flight), at the pool's close."""
-        _unregister_each(self._pinned)
+        """Unpin everything (once no copy is in flight)."""
+        for address in list(self._pinned):
+            _unregister(self._pinned, address)
 
 
 def _unregister(pinned: dict[int, tuple[mmap.mmap, torch.device]], address: int) -> None:
@@ -124,8 +122,3 @@ def _unregister(pinned: dict[int, tuple[mmap.mmap, torch.device]], address: int)
     if error is not None:
         logger.warning("could not unpin %#x, staging memory pinned for copies from %s (%s): its pages may stay "
                        "locked until the process ends", address, device, error)
-
-
-def _unregister_each(pinned: dict[int, tuple[mmap.mmap, torch.device]]) -> None:
-    for address in list(pinned):
-        _unregister(pinned, address)

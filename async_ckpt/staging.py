@@ -22,6 +22,7 @@ import functools
 import logging
 import mmap
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -145,6 +146,9 @@ class StagingPool:
         self._streams: dict[torch.device, Any] = {}
         self._pinned = host_memory.PinnedMappings()
         self._reserve_pin: torch.device | None = None  # the CUDA device the reserve is pinned for
+        # A pool collected unclosed unpins too (its buffers are pinned while it lives); not at exit, when
+        # the pages go back anyway and CUDA may be torn down already.
+        weakref.finalize(self, _unpin_all, self._pinned, self._streams).atexit = False
         self.allocations = 0
 
     @property
@@ -232,8 +236,7 @@ class StagingPool:
         if self._helper is not None:
             self._helper.shutdown(wait=True)  # after the copies, the reservation's faulting-in and trim
             self._helper = None
-        self._synchronize_streams()
-        self._pinned.unpin_all()
+        _unpin_all(self._pinned, self._streams)
         self._slots.clear()
         self._bases.clear()
         self._placements.clear()
@@ -261,15 +264,11 @@ class StagingPool:
             return
         pinned = mapping in self._pinned
         if pinned:
-            self._synchronize_streams()  # the copies into these pages end before they are unpinned
+            _synchronize(self._streams)  # the copies into these pages end before they are unpinned
             self._pinned.unpin(mapping)
         host_memory.release_tail(mapping, start)
         if pinned and start:
             self._pinned.pin(mapping, start, self._reserve_pin)
-
-    def _synchronize_streams(self) -> None:
-        for stream in list(self._streams.values()):
-            stream.synchronize()
 
     def _copy_on_side_stream(self, pairs: list[CopyPair]) -> dict[int, Callable[[], None]]:
         """Queue the copies on the device's side stream; per destination buffer, what waits for its copy."""
@@ -309,7 +308,8 @@ class StagingPool:
         buf, base = self._slots.get(slot), self._bases.get(slot)
         if base is None or base[2] != nbytes + PLACEMENT_ALIGN:
             if base is not None and base[0] is not self._reserve and base[0] in self._pinned:
-                self._helper_thread().submit(self._pinned.unpin, base[0]).result()  # before it is unmapped
+                _synchronize(self._streams)  # no copy into it is in flight, and it is unpinned before unmapped
+                self._helper_thread().submit(self._pinned.unpin, base[0]).result()
             base = self._bases[slot] = self._carve(nbytes + PLACEMENT_ALIGN, pin_for in (None, self._reserve_pin))
             if pin_for is not None and nbytes and base[0] is not self._reserve:
                 self._helper_thread().submit(self._pinned.pin, base[0], base[2], pin_for).result()
@@ -422,6 +422,17 @@ class StagingPool:
         if memo.compact:
             return tuple(elements)  # as DeepSpeed's clone rebuilds tuples
         return type(obj)(*elements) if hasattr(obj, "_fields") else type(obj)(elements)
+
+
+def _synchronize(streams: dict[torch.device, Any]) -> None:
+    for stream in list(streams.values()):
+        stream.synchronize()
+
+
+def _unpin_all(pinned: host_memory.PinnedMappings, streams: dict[torch.device, Any]) -> None:
+    """Unpin a pool's memory once the copies on its side streams are done (no DMA into unpinned pages)."""
+    _synchronize(streams)
+    pinned.unpin_all()
 
 
 def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, CopyPair]]:

@@ -31,10 +31,12 @@ def _gpu_state() -> dict:
 
 
 def test_staged_buffers_of_gpu_tensors_are_pinned_host_memory():
-    staged = StagingPool().snapshot(_gpu_state(), "m.pt", slot_key="m", defer=False).obj
+    pool = StagingPool()  # its buffers are pinned while it lives
+    staged = pool.snapshot(_gpu_state(), "m.pt", slot_key="m", defer=False).obj
     for tensor in (staged["module"]["w"], staged["optimizer"]["exp_avg"]):
         assert tensor.device.type == "cpu"
         assert tensor.is_pinned()
+    pool.close()
 
 
 def test_side_stream_copy_waits_for_work_queued_on_the_compute_stream():

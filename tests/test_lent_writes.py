@@ -17,12 +17,14 @@ import tempfile
 import threading
 import zipfile
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from async_ckpt import checksum, host_memory, torch_zip
 from async_ckpt.checksum import crc32_combine, format_crc
+from async_ckpt.deepspeed_adapter import estimate_snapshot
 from async_ckpt.serialization import ChecksumWriter, Lending, storage_order, write_torch_file
 from async_ckpt import staging
 from async_ckpt.staging import PLACEMENT_ALIGN, StagingPool
@@ -164,6 +166,38 @@ def test_a_pinned_reserve_is_unpinned_before_its_tail_is_released_and_again_at_c
     assert calls == [("pin", reserve, 64 * MiB), ("unpin", reserve), ("release", reserve, head),
                      ("pin", reserve, head), ("unpin", reserve)]
     assert 0 < head < 64 * MiB
+
+
+@pytest.mark.parametrize("reserve_pinned", [True, False], ids=["reserve-pinned", "offload-reserve-unpinned"])
+def test_gpu_buffers_lie_in_a_reserve_pinned_for_their_device_else_in_a_mapping_pinned_of_their_own(
+        monkeypatch, reserve_pinned):
+    """Without ZeRO-Offload the reserve is pinned for the GPU and GPU buffers are carved from it; with it,
+    the reserve (the host partitions' copies) is not pinned, so a GPU buffer gets pinned memory of its
+    own. The CUDA runtime's side is recorded (no GPU here)."""
+    pinned = []
+    monkeypatch.setattr(host_memory, "register", lambda mapping, length, device: pinned.append(
+        (buffer_address(mapping), length)))
+    monkeypatch.setattr(host_memory, "unregister", lambda address, device: None)
+    pool = StagingPool()
+    pool.reserve(64 * MiB, pin_for=torch.device("cuda", 0) if reserve_pinned else None)
+    pool._reserving.result()
+    reserve = buffer_address(pool._reserve)
+    address = pool._buffer_for(("m", 0), 4 * MiB, torch.device("cuda", 0)).data_ptr()
+    in_reserve = reserve <= address < reserve + 64 * MiB
+    assert in_reserve == reserve_pinned
+    assert pinned == ([(reserve, 64 * MiB)] if reserve_pinned else [(address - address % PLACEMENT_ALIGN,
+                                                                     4 * MiB + PLACEMENT_ALIGN)])
+    pool.close()
+
+
+def test_the_reserve_estimate_names_where_the_fp32_partitions_live():
+    """wrap() pins the reserve only where the partitions are on CUDA: with ZeRO-Offload they are on the
+    CPU, and pinning them would lock tens of GB for copies that do not need it."""
+    engine = SimpleNamespace(optimizer=SimpleNamespace(single_partition_of_fp32_groups=[torch.empty(1000)]),
+                             module=torch.nn.Linear(10, 10))
+    assert estimate_snapshot(engine) == (3 * 4000 + 110 * 4, torch.device("cpu"))
+    engine.optimizer.single_partition_of_fp32_groups = [torch.empty(1000, device="meta")]
+    assert estimate_snapshot(engine).device == torch.device("meta")
 
 
 def test_a_pool_never_closed_unpins_its_memory_when_collected(monkeypatch):
