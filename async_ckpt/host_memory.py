@@ -107,18 +107,17 @@ class PinnedMappings:
         """Unpin ``mapping`` (once no copy into it is in flight); it may then be pinned again."""
         address = buffer_address(mapping)
         if address in self._pinned:
-            _unregister(self._pinned, address)
+            self._unpin(address)
 
     def unpin_all(self) -> None:
         """Unpin everything (once no copy is in flight)."""
         for address in list(self._pinned):
-            _unregister(self._pinned, address)
+            self._unpin(address)
 
-
-def _unregister(pinned: dict[int, tuple[mmap.mmap, torch.device]], address: int) -> None:
-    """Unpin one entry of ``pinned`` and forget it; a failure is logged (nothing else could undo it)."""
-    _, device = pinned.pop(address)
-    error = unregister(address, device)
-    if error is not None:
-        logger.warning("could not unpin %#x, staging memory pinned for copies from %s (%s): its pages may stay "
-                       "locked until the process ends", address, device, error)
+    def _unpin(self, address: int) -> None:
+        """Unpin and forget one mapping; a failure is logged (nothing else could undo it)."""
+        _, device = self._pinned.pop(address)
+        error = unregister(address, device)
+        if error is not None:
+            logger.warning("could not unpin %#x, staging memory pinned for copies from %s (%s): its pages may "
+                           "stay locked until the process ends", address, device, error)
