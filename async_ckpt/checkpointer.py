@@ -157,7 +157,7 @@ class AsyncCheckpointer:
             # place, see _on_file), to either tier; pinned where the partitions are on CUDA
             estimate = estimate_snapshot(engine)
             cuda = estimate.device is not None and estimate.device.type == "cuda"
-            self._pool.reserve(estimate.nbytes, pin_for=estimate.device if cuda else None)
+            self._pool.reserve(estimate.nbytes, buffers=estimate.buffers, pin_for=estimate.device if cuda else None)
         if on_cpu and not self.synchronous:
             self._warn_of_memory_filesystems()
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
@@ -401,6 +401,12 @@ class AsyncCheckpointer:
     def staging_allocations(self) -> int:
         """How many staging buffers were ever allocated (flat after the first save)."""
         return self._pool.allocations
+
+    @property
+    def staging_outside_reserve(self) -> int:
+        """Staging buffers that did not fit the memory ``wrap()`` reserved from its estimate of the
+        snapshot (0 when the estimate held; each one is allocated, and on a GPU pinned, in a save's stall)."""
+        return self._pool.buffers_outside_reserve
 
     # ------------------------------------------------------------------ save internals
     def _save(self, storage: Storage, tag: str | None, client_state: Mapping[str, Any] | None,

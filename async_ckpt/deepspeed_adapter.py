@@ -128,13 +128,19 @@ class SnapshotEstimate(NamedTuple):
     #: Where the fp32 partitions live (most of the bytes): on CUDA, staging worth pinning ahead of the
     #: first save; on the CPU (ZeRO-Offload, CPU training), copies that pinning would not speed up.
     device: torch.device | None
+    #: At most how many tensors the snapshot stages: each staged buffer takes room beyond its bytes
+    #: (its placement), which a reserve of ``nbytes`` alone would not hold.
+    buffers: int = 0
 
 
 def estimate_snapshot(engine: Any) -> SnapshotEstimate:
     """Host bytes this rank's snapshot will need: Adam's fp32 master partitions and its two moments
     (three times the partitions; the moments may not exist before the first step) plus this rank's
-    module parameters (the model-states file). An estimate, for reserving staging memory ahead of the
-    first save; 0 bytes where the engine's optimizer keeps no partitions we know."""
+    module parameters and buffers where this rank writes the model-states file (DeepSpeed's
+    ``save_non_zero_checkpoint``: every rank under ZeRO-3, which saves its parameters as empty
+    placeholders, the first data-parallel rank otherwise), and how many tensors hold them (each
+    partition, its moments and step; each parameter and buffer). An estimate, for reserving staging
+    memory ahead of the first save; 0 bytes where the engine's optimizer keeps no partitions we know."""
     optimizer = getattr(engine, "optimizer", None)
     partitions = next((getattr(optimizer, name) for name in _FP32_PARTITIONS if getattr(optimizer, name, None)), None)
     if partitions is None:
@@ -146,5 +152,7 @@ def estimate_snapshot(engine: Any) -> SnapshotEstimate:
     fp32 = sum(t.numel() * t.element_size() for t in tensors)
     if not fp32:
         return SnapshotEstimate(0, None)
-    module = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in engine.module.parameters())
-    return SnapshotEstimate(3 * fp32 + module, tensors[0].device)
+    saved = [*engine.module.parameters(), *engine.module.buffers()] \
+        if getattr(engine, "save_non_zero_checkpoint", True) else []
+    module = sum(t.numel() * t.element_size() for t in saved if not hasattr(t, "ds_tensor"))  # ds_tensor: ZeRO-3
+    return SnapshotEstimate(3 * fp32 + module, tensors[0].device, buffers=4 * len(tensors) + len(saved))

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import async_ckpt
 from async_ckpt import workload
+from async_ckpt.deepspeed_adapter import estimate_snapshot
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
@@ -685,6 +686,7 @@ def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3
         workload.train(engine, 1, tokens, _rank())
         with async_ckpt.wrap(engine, f"{base}/async") as ckpt:
             first = ckpt.save(tag="first", client_state=dict(CLIENT_STATE)).result(timeout=300)
+            outside_reserve, staged = ckpt.staging_outside_reserve, ckpt.staging_bytes
             workload.train(engine, 1, tokens, _rank())
             handle = ckpt.save(tag="second", client_state=dict(CLIENT_STATE))
             handle.result(timeout=300)
@@ -696,6 +698,7 @@ def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3
         fresh = workload.make_engine(stage, dtype, size="small", seed=1234)
         fresh.load_checkpoint(f"{base}/async", tag="second")
         out.append({"combo": f"zero{stage}-{dtype}", "first_bytes": first.bytes_written,
-                    "zero_copy_bytes": handle.metrics["zero_copy_bytes"], "losses": losses,
-                    "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
+                    "outside_reserve": outside_reserve, "estimated": estimate_snapshot(engine).nbytes,
+                    "staged": staged, "zero_copy_bytes": handle.metrics["zero_copy_bytes"],
+                    "losses": losses, "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
     return out

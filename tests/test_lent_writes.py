@@ -114,6 +114,19 @@ def test_reserved_memory_is_carved_for_the_first_snapshot():
     assert torch.equal(staged.obj["flat"], _state()["flat"])
 
 
+def test_a_reserve_of_the_state_bytes_and_its_buffer_count_holds_every_buffer():
+    """Each buffer carved from the reserve takes room for its placement beyond its bytes: a reserve of the
+    bytes alone left the last buffers to mappings of their own (pinned in the first GPU save's stall)."""
+    state = _state()
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in (state["flat"], state["small"], state["bf16"], *state["moments"].values())}
+    pool = StagingPool()
+    pool.reserve(sum(storages.values()), buffers=len(storages))
+    pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=False)
+    assert pool.buffers_outside_reserve == 0
+    pool.close()
+
+
 def test_the_first_save_starts_no_thread_after_the_reservation():
     """Starting a thread takes milliseconds on a busy machine: the copies and the trim run on the helper
     thread the reservation started."""
@@ -168,6 +181,27 @@ def test_a_pinned_reserve_is_unpinned_before_its_tail_is_released_and_again_at_c
     assert 0 < head < 64 * MiB
 
 
+def test_a_pinned_reserve_the_first_snapshot_nearly_fills_stays_pinned_whole_until_close(monkeypatch):
+    """Trimming it would unpin gigabytes and pin the used head again on the helper thread, while training
+    runs the steps after the first save; a small tail is not worth that."""
+    calls = []
+    monkeypatch.setattr(host_memory, "register", lambda mapping, length, device: calls.append(
+        ("pin", buffer_address(mapping), length)))
+    monkeypatch.setattr(host_memory, "unregister", lambda address, device: calls.append(("unpin", address)))
+    state = _state()
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in (state["flat"], state["small"], state["bf16"], *state["moments"].values())}
+    pool = StagingPool()
+    pool.reserve(sum(storages.values()), buffers=len(storages), pin_for=torch.device("cuda", 0))
+    reserve, length = buffer_address(pool._reserve), len(pool._reserve)
+    pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=False)
+    pool.trim_reserve()
+    staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    assert torch.equal(staged.obj["flat"], _state()["flat"])
+    pool.close()
+    assert calls == [("pin", reserve, length), ("unpin", reserve)]
+
+
 @pytest.mark.parametrize("reserve_pinned", [True, False], ids=["reserve-pinned", "offload-reserve-unpinned"])
 def test_gpu_buffers_lie_in_a_reserve_pinned_for_their_device_else_in_a_mapping_pinned_of_their_own(
         monkeypatch, reserve_pinned):
@@ -195,9 +229,17 @@ def test_the_reserve_estimate_names_where_the_fp32_partitions_live():
     CPU, and pinning them would lock tens of GB for copies that do not need it."""
     engine = SimpleNamespace(optimizer=SimpleNamespace(single_partition_of_fp32_groups=[torch.empty(1000)]),
                              module=torch.nn.Linear(10, 10))
-    assert estimate_snapshot(engine) == (3 * 4000 + 110 * 4, torch.device("cpu"))
+    assert estimate_snapshot(engine) == (3 * 4000 + 110 * 4, torch.device("cpu"), 4 * 1 + 2)
     engine.optimizer.single_partition_of_fp32_groups = [torch.empty(1000, device="meta")]
     assert estimate_snapshot(engine).device == torch.device("meta")
+
+
+def test_a_rank_that_writes_no_model_states_file_reserves_nothing_for_the_module():
+    """Under ZeRO-1/2 only the first data-parallel rank saves the module (DeepSpeed's
+    ``save_non_zero_checkpoint``); a reserve for it elsewhere would be pinned on a GPU for nothing."""
+    engine = SimpleNamespace(optimizer=SimpleNamespace(single_partition_of_fp32_groups=[torch.empty(1000)]),
+                             module=torch.nn.Linear(10, 10), save_non_zero_checkpoint=False)
+    assert estimate_snapshot(engine) == (3 * 4000, torch.device("cpu"), 4 * 1)
 
 
 def test_a_pool_never_closed_unpins_its_memory_when_collected(monkeypatch):
