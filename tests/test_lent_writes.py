@@ -44,6 +44,12 @@ def _state() -> dict:
             "bf16": torch.randn(MiB + 3).to(torch.bfloat16), "step": 7}
 
 
+def _storage_sizes(state: dict) -> dict[int, int]:
+    """Bytes of each distinct tensor storage in :func:`_state` (the buffers a snapshot of it stages)."""
+    tensors = (state["flat"], state["small"], state["bf16"], *state["moments"].values())
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+
+
 def _torch_save_bytes(obj) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -118,8 +124,7 @@ def test_a_reserve_of_the_state_bytes_and_its_buffer_count_holds_every_buffer():
     """Each buffer carved from the reserve takes room for its placement beyond its bytes: a reserve of the
     bytes alone left the last buffers to mappings of their own (pinned in the first GPU save's stall)."""
     state = _state()
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in (state["flat"], state["small"], state["bf16"], *state["moments"].values())}
+    storages = _storage_sizes(state)
     pool = StagingPool()
     pool.reserve(sum(storages.values()), buffers=len(storages))
     pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=False)
@@ -189,8 +194,7 @@ def test_a_pinned_reserve_the_first_snapshot_nearly_fills_stays_pinned_whole_unt
         ("pin", buffer_address(mapping), length)))
     monkeypatch.setattr(host_memory, "unregister", lambda address, device: calls.append(("unpin", address)))
     state = _state()
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in (state["flat"], state["small"], state["bf16"], *state["moments"].values())}
+    storages = _storage_sizes(state)
     pool = StagingPool()
     pool.reserve(sum(storages.values()), buffers=len(storages), pin_for=torch.device("cuda", 0))
     reserve, length = buffer_address(pool._reserve), len(pool._reserve)
