@@ -214,3 +214,49 @@ def test_writer_cost_measures_each_way_of_writing_a_file_and_stocks(tmp_path):
     result = measure(4, 1, str(tmp_path))
     assert set(result) == {"copying", "lending", "in_place", "torch_save"}
     assert all(way["wall_s"] > 0 and way["cpu_s"] >= 0 and way["gbps"] > 0 for way in result.values())
+
+
+def _trace(*events: tuple) -> dict:
+    """A Chrome trace of (cat, name, tid, start us, duration us) complete events, all in one process."""
+    return {"traceEvents": [{"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+                            for cat, name, tid, ts, dur in events]}
+
+
+def test_step_profile_reduces_a_trace_to_one_row_per_annotated_step_with_gpu_and_thread_figures():
+    from async_ckpt.bench.step_profile import SAVE, STEP, reduce_trace
+
+    rows = reduce_trace(_trace(
+        ("user_annotation", STEP, 10, 0, 10_000), ("user_annotation", SAVE, 10, 10_000, 1_000),
+        ("cpu_op", "aten::mm", 10, 1_000, 4_000), ("cpu_op", "aten::add", 10, 3_000, 4_000),  # overlap: 6 ms in ops
+        ("cuda_runtime", "cudaLaunchKernel", 10, 8_000, 500),
+        ("cuda_runtime", "cudaHostUnregister", 20, 2_000, 3_000),  # another thread
+        ("kernel", "gemm", 0, 1_000, 2_000), ("kernel", "gemm", 0, 6_000, 1_000),  # GPU idle 3..6 ms: the longest gap
+        ("gpu_memcpy", "Memcpy DtoH", 0, 10_200, 400)))
+    step, save = rows
+    assert (step["kind"], step["wall_ms"], step["ops_ms"], step["outside_ops_ms"]) == ("step", 10.0, 6.0, 4.0)
+    assert (step["gpu_busy_ms"], step["copy_ms"], step["gap_ms"]) == (3.0, 0.0, 3.0)
+    assert step["gap_in"] == [["aten::add", 3.0], ["aten::mm", 2.0]]
+    assert step["cuda_api_top"] == [["cudaLaunchKernel", 0.5]]
+    assert step["others_cuda_api"] == [["cudaHostUnregister", 3.0]]
+    assert (save["kind"], save["copy_ms"], save["gpu_busy_ms"]) == ("save", 0.4, 0.0)
+
+
+def test_step_profile_refuses_a_trace_without_its_annotations():
+    from async_ckpt.bench.step_profile import reduce_trace
+
+    with pytest.raises(ValueError, match="record_function"):
+        reduce_trace(_trace(("cpu_op", "aten::mm", 10, 0, 1_000)))
+
+
+def test_step_profile_profiles_the_steps_around_each_save_on_a_real_rank(tmp_path):
+    from async_ckpt.bench.step_profile import main
+
+    assert main(["--size", "tiny", "--saves", "1", "--before", "1", "--after", "2", "--steps-between", "0",
+                 "--warmup", "1", "--out", str(tmp_path)]) == 0
+    windows = json.loads((tmp_path / "profile.json").read_text())["windows"]
+    assert [row["kind"] for row in windows[0]["rows"]] == ["step", "save", "step", "step"]
+    assert [row["index"] for row in windows[0]["rows"]] == [-1, 0, 1, 2]
+    assert all(row["ops_ms"] > 0 for row in windows[0]["rows"] if row["kind"] == "step")
+    assert windows[0]["durable_s"] > 0
+    assert (tmp_path / "trace_save0.json.gz").stat().st_size > 0
+    assert "| 0 | save |" in (tmp_path / "profile.md").read_text()
