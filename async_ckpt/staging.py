@@ -23,6 +23,7 @@ import logging
 import mmap
 import threading
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -49,6 +50,10 @@ PINNED_TAIL_KEPT = 1 / 16
 #: Host copies run on the helper thread in pieces of this size, each completed on its own: the writer
 #: starts writing a large buffer once its first piece is copied instead of once all of it is.
 COPY_PIECE = 32 * 1024 * 1024
+
+#: Background copies from a GPU queued on the side stream and unfinished at any time, at most: what a
+#: device-wide synchronize of the training thread waits for (see ``_queue_on_side_stream_in_pieces``).
+PIECES_IN_FLIGHT = 2
 
 #: Waits until the copy into one staging buffer has reached the given byte (``None``: all of it).
 BufferWait = Callable[[int | None], None]
@@ -227,16 +232,21 @@ class StagingPool:
     def copy(self, pairs: list[CopyPair], *, background: bool = False) -> CopyTicket:
         """Start the copies and return their ticket.
 
-        Device sources are copied non-blocking on a side stream. Host sources are copied inline,
-        or with ``background`` on the pool's helper thread, one buffer after the other in the order
-        given (a whole storage in pieces of :data:`COPY_PIECE`, each completed on its own), so that
-        training can go on meanwhile.
+        Device sources are copied non-blocking on a side stream: all queued at once, or with
+        ``background`` queued by the pool's helper thread a few pieces at a time (see
+        :meth:`_queue_on_side_stream_in_pieces`). Host sources are copied inline, or with ``background``
+        on the helper thread, one buffer after the other in the order given (a whole storage in pieces
+        of :data:`COPY_PIECE`, each completed on its own), so that training can go on meanwhile.
         """
         device_pairs = [p for p in pairs if p[1].device.type != "cpu"]
         host_pairs = [p for p in pairs if p[1].device.type == "cpu"]
         waiters: list[Callable[[], None]] = []
         buffers: dict[int, BufferWait] = {}
-        if device_pairs:
+        if device_pairs and background:
+            for dst, pieces in self._queue_on_side_stream_in_pieces(device_pairs):
+                waiters += [functools.partial(_wait_for_device_piece, future) for _, future in pieces]
+                buffers[dst.untyped_storage().data_ptr()] = functools.partial(_wait_for_pieces, pieces, device=True)
+        elif device_pairs:
             for address, event_done in self._copy_on_side_stream(device_pairs).items():
                 waiters.append(event_done)
                 buffers[address] = lambda end, done=event_done: done()
@@ -277,6 +287,10 @@ class StagingPool:
         if pin_for is not None:
             self._pinned.pin(mapping, len(mapping), pin_for)
 
+    def _unpin_after_copies(self, mapping: mmap.mmap) -> None:
+        _synchronize(self._streams)  # the copies this thread queued into it are done before it is unpinned
+        self._pinned.unpin(mapping)
+
     def _trim(self, mapping: mmap.mmap, start: int) -> None:
         if start >= len(mapping):
             return
@@ -288,12 +302,16 @@ class StagingPool:
         if pinned and start:
             self._pinned.pin(mapping, start, self._reserve_pin)
 
-    def _copy_on_side_stream(self, pairs: list[CopyPair]) -> dict[int, Callable[[], None]]:
-        """Queue the copies on the device's side stream; per destination buffer, what waits for its copy."""
-        device = pairs[0][1].device
+    def _side_stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _copy_on_side_stream(self, pairs: list[CopyPair]) -> dict[int, Callable[[], None]]:
+        """Queue the copies on the device's side stream; per destination buffer, what waits for its copy."""
+        device = pairs[0][1].device
+        stream = self._side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         done: dict[int, Callable[[], None]] = {}
         with torch.cuda.stream(stream):
@@ -305,6 +323,27 @@ class StagingPool:
         for _, src in pairs:
             src.record_stream(stream)  # the allocator must not hand src's memory out before the copy ran
         return done
+
+    def _queue_on_side_stream_in_pieces(self, pairs: list[CopyPair]) -> list[tuple[torch.Tensor, list]]:
+        """Have the helper thread queue the copies on the side stream in pieces of :data:`COPY_PIECE`, at most
+        :data:`PIECES_IN_FLIGHT` queued and unfinished at a time; per destination, (first byte, future of
+        the piece's event) for each piece.
+
+        Queued all at once, gigabytes of copies make any device-wide synchronize of the training
+        thread wait for all of them, and DeepSpeed synchronizes the device at the start of every
+        forward (its throughput timer): the step after a save then waited for the whole copy (40 ms
+        for 4.2 GB on an H200, see benchmarks/RESULTS.md). Queued a few pieces at a time, such a
+        synchronize waits for those few, and the copy runs alongside the next forward and backward
+        at the same speed. The side stream first waits for the work queued on the training stream
+        up to now, so every piece copies the state as of the save, whenever it is queued.
+        """
+        device = pairs[0][1].device
+        stream = self._side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        helper = self._helper_thread()
+        in_flight: deque[Any] = deque()
+        return [(dst, [(start, helper.submit(_queue_piece, stream, piece, in_flight)) for start, piece in _pieces(dst, src)])
+                for dst, src in pairs]
 
     def _buffer_for(self, slot: tuple[str, int], nbytes: int, device: torch.device) -> torch.Tensor:
         """A host buffer for a copy from ``device``; for a CUDA one, pinned (see :meth:`_placed_buffer`)."""
@@ -326,8 +365,7 @@ class StagingPool:
         buf, base = self._slots.get(slot), self._bases.get(slot)
         if base is None or base[2] != nbytes + PLACEMENT_ALIGN:
             if base is not None and base[0] is not self._reserve and base[0] in self._pinned:
-                _synchronize(self._streams)  # no copy into it is in flight, and it is unpinned before unmapped
-                self._helper_thread().submit(self._pinned.unpin, base[0]).result()
+                self._helper_thread().submit(self._unpin_after_copies, base[0]).result()  # before it is unmapped
             base = self._bases[slot] = self._carve(nbytes + PLACEMENT_ALIGN, pin_for in (None, self._reserve_pin))
             if pin_for is not None and nbytes and base[0] is not self._reserve:
                 self._helper_thread().submit(self._pinned.pin, base[0], base[2], pin_for).result()
@@ -464,12 +502,35 @@ def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, CopyPair]]:
             for start in range(0, dst.numel(), COPY_PIECE)]
 
 
-def _wait_for_pieces(pieces: list[tuple[int, Future[None]]], end: int | None) -> None:
-    """Wait for the pieces of one buffer's copy that hold bytes before ``end`` (all of them for ``None``)."""
+def _queue_piece(stream: Any, pair: CopyPair, in_flight: deque[Any]) -> Any:
+    """On the helper thread: queue one piece's copy on ``stream``; once more than :data:`PIECES_IN_FLIGHT` are
+    queued and unfinished, wait for the oldest. Returns the event that marks the piece done."""
+    dst, src = pair
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    src.record_stream(stream)  # the allocator must not hand src's memory out before the copy ran
+    event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning on a busy host
+    event.record(stream)
+    in_flight.append(event)
+    if len(in_flight) > PIECES_IN_FLIGHT:
+        in_flight.popleft().synchronize()
+    return event
+
+
+def _wait_for_device_piece(future: Future[Any]) -> None:
+    future.result().synchronize()
+
+
+def _wait_for_pieces(pieces: list[tuple[int, Future[Any]]], end: int | None, *, device: bool = False) -> None:
+    """Wait for the pieces of one buffer's copy that hold bytes before ``end`` (all of them for ``None``);
+    ``device``: each future gives the event of a piece queued on a side stream, waited for too."""
     for start, future in pieces:
         if end is not None and start >= end:
             return
-        future.result()
+        if device:
+            _wait_for_device_piece(future)
+        else:
+            future.result()
 
 
 def _copy_all(pairs: list[CopyPair]) -> None:

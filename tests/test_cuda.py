@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 import cuda_tasks
 from rank_tasks import same_tensors
 from async_ckpt.launch import RankGroup
-from async_ckpt.staging import StagingPool
+from async_ckpt.staging import COPY_PIECE, StagingPool
 from async_ckpt.storage.base import buffer_address
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -51,6 +52,35 @@ def test_side_stream_copy_waits_for_work_queued_on_the_compute_stream():
     ticket = pool.copy(staged.deferred, background=True)
     ticket.wait()
     assert torch.equal(staged.obj["t"], torch.full((1 << 24,), 7.0))
+
+
+def test_a_device_synchronize_after_a_background_copy_does_not_wait_for_pieces_not_queued_yet():
+    source = torch.full((1 << 24,), 7.0, device="cuda")  # 64 MiB: two pieces
+    pool = StagingPool()
+    staged = pool.snapshot({"t": source}, "m.pt", slot_key="m", defer=True)
+    gate = threading.Event()
+    pool._helper_thread().submit(gate.wait)  # the helper queues nothing until the gate opens
+    ticket = pool.copy(staged.deferred, background=True)
+    torch.cuda.synchronize()  # what DeepSpeed's throughput timer does at the start of every forward
+    assert not ticket.done and torch.count_nonzero(staged.obj["t"]) == 0
+    gate.set()
+    ticket.wait()
+    assert torch.equal(staged.obj["t"], torch.full((1 << 24,), 7.0))
+    pool.close()
+
+
+def test_the_writer_can_wait_for_the_first_piece_of_a_background_gpu_copy_alone():
+    source = torch.arange(1 << 24, dtype=torch.float32, device="cuda")
+    pool = StagingPool()
+    staged = pool.snapshot({"t": source}, "m.pt", slot_key="m", defer=True)
+    ticket = pool.copy(staged.deferred, background=True)
+    address = staged.obj["t"].untyped_storage().data_ptr()
+    ticket.wait_for(address, COPY_PIECE)
+    head = COPY_PIECE // 4
+    assert torch.equal(staged.obj["t"][:head], torch.arange(head, dtype=torch.float32))
+    ticket.wait()
+    assert torch.equal(staged.obj["t"], source.cpu())
+    pool.close()
 
 
 def test_gpu_snapshots_reuse_the_pinned_buffers_of_the_first():
