@@ -160,9 +160,9 @@ def profile_rank(cfg: dict, out: str) -> list[dict]:
     workdir = tempfile.mkdtemp(prefix="async_ckpt_profile_")
     windows = []
     try:
-        workload.train(engine, cfg["warmup"], tokens, 0)
         ckpt = async_ckpt.wrap(engine, workdir)
         try:
+            workload.train(engine, cfg["warmup"], tokens, 0)  # meanwhile wrap()'s staging reserve is faulted in and pinned
             for i in range(cfg["saves"]):
                 walls, cpu = [], []
                 with profile(activities=_activities(cfg["device"])) as prof:
@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=int, default=3, help="profiled steps before each save (the baseline)")
     parser.add_argument("--after", type=int, default=8, help="profiled steps after each save")
     parser.add_argument("--steps-between", type=int, default=10, help="unprofiled steps between windows")
-    parser.add_argument("--warmup", type=int, default=5, help="unprofiled steps before the first window")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="unprofiled steps after wrap() before the first window: enough for wrap() to reserve "
+                             "(and on a GPU pin) the staging memory, or the first save waits for it")
     parser.add_argument("--out", default="profile_out")
     args = parser.parse_args(argv)
     cfg = {k: v for k, v in vars(args).items() if k != "out"}
