@@ -10,7 +10,7 @@ from async_ckpt.bench.methods import METHODS, ON_REQUEST
 from async_ckpt.bench.save_bench import DEFAULT_METHODS, BenchConfig, run
 
 METRICS = {"stall_s", "durable_s", "persist_gbps", "persist_vs_floor", "stall_vs_copy_floor", "bytes_per_save",
-           "slowdown_while_persisting"}
+           "slowdown_while_persisting", "next_step_over_before_s"}
 
 
 #: On S3, the methods every test below names (the others write through the same storage); every
@@ -42,6 +42,27 @@ def test_bench_reports_every_metric_for_each_method_that_ran(bench):
     for name, metrics in ran.items():
         assert METRICS <= set(metrics), name
         assert metrics["stall_s"] > 0 and metrics["bytes_per_save"] > 0
+
+
+def test_the_step_after_a_save_is_measured_against_the_steps_just_before_it_not_the_runs_median():
+    from async_ckpt.bench.report import next_step_over_before
+
+    def steps(method, start, durations):
+        out = []
+        for d in durations:
+            out.append({"method": method, "start": start, "end": start + d})
+            start += d
+        return out, start
+
+    # the run drifts from 1 s steps to 2 s steps; each save's next step is 0.5 s over its neighbours
+    other, t = steps("stock", 0.0, [1.0] * 20)
+    before1, t = steps("async_ckpt", t, [1.0, 1.0, 1.0])
+    save1 = {"start": t, "call_s": 0.1}
+    after1, t = steps("async_ckpt", t + 0.1, [1.5, 1.0, 2.0, 2.0])
+    save2 = {"start": t, "call_s": 0.1}
+    after2, _ = steps("async_ckpt", t + 0.1, [2.5, 2.0])
+    extra = next_step_over_before(other + before1 + after1 + after2, "async_ckpt", [save1, save2], before=3)
+    assert extra == pytest.approx(0.5)
 
 
 def test_bench_explains_every_method_it_could_not_run(bench):

@@ -15,6 +15,23 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def next_step_over_before(steps: list[dict], method: str, saves: list[dict], before: int = 10) -> float | None:
+    """How much longer the step right after a save ran than the median of the ``before`` steps just
+    before that save (the same method's, on one rank), median over the saves.
+
+    The run's median step drifts by tens of percent over a run on a shared machine (and on a GPU whose
+    training thread is launch-bound), more than a background write slows a step; against the steps
+    right before each save, what the save costs its next step shows through that drift."""
+    own = [s for s in steps if s["method"] == method]
+    extras = []
+    for save in saves:
+        earlier = [s["end"] - s["start"] for s in own if s["end"] <= save["start"]][-before:]
+        later = [s for s in own if s["start"] >= save["start"] + save["call_s"]]
+        if earlier and later:
+            extras.append(later[0]["end"] - later[0]["start"] - statistics.median(earlier))
+    return _median(extras)
+
+
 def summarize(report: dict) -> dict:
     ranks = report["ranks"]
     floor_bytes = sum(r["floor"]["bytes"] for r in ranks)
@@ -62,6 +79,7 @@ def summarize(report: dict) -> dict:
             entry["rss_growth_over_saves"] = (rss[-1] - rss[1]) / rss[1] if len(rss) > 2 else None
             entry["staging_bytes"] = sum(r["methods"][name]["staging_bytes"][-1] for r in ranks)
             entry["staging_flat"] = all(len(set(r["methods"][name]["staging_bytes"])) == 1 for r in ranks)
+        entry["next_step_over_before_s"] = next_step_over_before(rank0_steps, name, first["saves"])
         if name == "stock":
             stock_stall = stall
         methods[name] = entry
@@ -109,19 +127,20 @@ def table(report: dict) -> str:
         + f"; median step outside saves {_fmt(s['median_step_s_outside_saves'], '.3f', ' s')}",
         "",
         "| method | stall / save | vs copy floor | stall reduction vs stock | time to durable | persist GB/s | vs floor "
-        "| slowdown while persisting | training time lost / save | lost vs stock | first-save stall "
-        "| first / steady stall | GB / save |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| slowdown while persisting | step after a save vs the 10 before | training time lost / save "
+        "| lost vs stock | first-save stall | first / steady stall | GB / save |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in s["methods"].items():
         if "skipped" in m:
-            lines.append(f"| {name} | not run: {m['skipped'][:120]} |" + "  |" * 11)
+            lines.append(f"| {name} | not run: {m['skipped'][:120]} |" + "  |" * 12)
             continue
         lines.append(
             f"| {name} | {_fmt(m['stall_s'], '.3f', ' s')} | {_fmt(m['stall_vs_copy_floor'], '.2f', 'x')} "
             f"| {_fmt(m.get('stall_reduction_vs_stock'), '.1f', 'x')} | {_fmt(m['durable_s'], '.2f', ' s')} "
             f"| {_fmt(m['persist_gbps'], '.3f')} | {_fmt(m['persist_vs_floor'], '.0%')} "
             f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')} "
+            f"| {_fmt(m.get('next_step_over_before_s'), '+.3f', ' s')} "
             f"| {_fmt(m.get('training_time_lost_per_save_s', m['stall_s']), '.3f', ' s')} "
             f"| {_fmt(m.get('lost_vs_stock'), '.2f', 'x')} | {_fmt(m.get('first_stall_s'), '.3f', ' s')} "
             f"| {_fmt(m.get('first_vs_steady_stall'), '.1f', 'x')} | {m['bytes_per_save'] / GB:.3f} |")
