@@ -52,7 +52,7 @@ PINNED_TAIL_KEPT = 1 / 16
 COPY_PIECE = 32 * 1024 * 1024
 
 #: Background copies from a GPU queued on the side stream and unfinished at any time, at most: what a
-#: device-wide synchronize of the training thread waits for (see ``_queue_on_side_stream_in_pieces``).
+#: device-wide synchronize of the training thread waits for (see ``StagingPool._queue_on_side_stream_in_pieces``).
 PIECES_IN_FLIGHT = 2
 
 #: Waits until the copy into one staging buffer has reached the given byte (``None``: all of it).
@@ -342,8 +342,27 @@ class StagingPool:
         stream.wait_stream(torch.cuda.current_stream(device))
         helper = self._helper_thread()
         in_flight: deque[Any] = deque()
-        return [(dst, [(start, helper.submit(_queue_piece, stream, piece, in_flight)) for start, piece in _pieces(dst, src)])
+        return [(dst, [(start, helper.submit(self._queue_piece, stream, piece, in_flight))
+                       for start, piece in _pieces(dst, src)])
                 for dst, src in pairs]
+
+    def _queue_piece(self, stream: Any, pair: CopyPair, in_flight: deque[Any]) -> Any:
+        """On the helper thread: queue one piece's copy on ``stream``; once more than :data:`PIECES_IN_FLIGHT`
+        are queued and unfinished, wait for the oldest. Returns the event that marks the piece done.
+
+        A method, so that a pool with pieces still to queue is not collected (and its memory unpinned by
+        its finalizer) before they are queued. The stream's device is made current for the calls: the
+        helper thread's default is GPU 0, where switching streams back would open a context for every rank."""
+        dst, src = pair
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)  # the allocator must not hand src's memory out before the copy ran
+            event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning on a busy host
+            event.record(stream)
+        in_flight.append(event)
+        if len(in_flight) > PIECES_IN_FLIGHT:
+            in_flight.popleft().synchronize()
+        return event
 
     def _buffer_for(self, slot: tuple[str, int], nbytes: int, device: torch.device) -> torch.Tensor:
         """A host buffer for a copy from ``device``; for a CUDA one, pinned (see :meth:`_placed_buffer`)."""
@@ -500,21 +519,6 @@ def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, CopyPair]]:
         return [(0, (dst, src))]
     return [(start, (dst[start:start + COPY_PIECE], src[start:start + COPY_PIECE]))
             for start in range(0, dst.numel(), COPY_PIECE)]
-
-
-def _queue_piece(stream: Any, pair: CopyPair, in_flight: deque[Any]) -> Any:
-    """On the helper thread: queue one piece's copy on ``stream``; once more than :data:`PIECES_IN_FLIGHT` are
-    queued and unfinished, wait for the oldest. Returns the event that marks the piece done."""
-    dst, src = pair
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-    src.record_stream(stream)  # the allocator must not hand src's memory out before the copy ran
-    event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning on a busy host
-    event.record(stream)
-    in_flight.append(event)
-    if len(in_flight) > PIECES_IN_FLIGHT:
-        in_flight.popleft().synchronize()
-    return event
 
 
 def _wait_for_device_piece(future: Future[Any]) -> None:

@@ -65,6 +65,17 @@ def test_the_step_after_a_save_is_measured_against_the_steps_just_before_it_not_
     assert extra == pytest.approx(0.5)
 
 
+def test_the_steps_before_a_save_leave_out_those_an_earlier_save_was_writing_through():
+    from async_ckpt.bench.report import next_step_over_before
+
+    durations = [1.0, 1.0, 3.0, 3.0, 1.0, 2.0]  # a save at 2.0 s is durable at 8.0 s; another at 9.0 s
+    starts = [0.0, 1.0, 2.0, 5.0, 8.0, 9.0]
+    steps = [{"method": "m", "start": t, "end": t + d} for t, d in zip(starts, durations)]
+    saves = [{"start": 2.0, "call_s": 0.0, "durable_s": 6.0}, {"start": 9.0, "call_s": 0.0, "durable_s": 1.0}]
+    # first save: 3 s against 1 s; second: 2 s against the clean steps before it (1, 1 and 1 s), not 3 s ones
+    assert next_step_over_before(steps, "m", saves, before=3) == pytest.approx(1.5)
+
+
 def test_bench_explains_every_method_it_could_not_run(bench):
     _, report = bench
     for metrics in report["summary"]["methods"].values():

@@ -60,16 +60,18 @@ def test_a_device_synchronize_after_a_background_copy_does_not_wait_for_pieces_n
     staged = pool.snapshot({"t": source}, "m.pt", slot_key="m", defer=True)
     gate = threading.Event()
     pool._helper_thread().submit(gate.wait)  # the helper queues nothing until the gate opens
-    ticket = pool.copy(staged.deferred, background=True)
-    torch.cuda.synchronize()  # what DeepSpeed's throughput timer does at the start of every forward
-    assert not ticket.done and torch.count_nonzero(staged.obj["t"]) == 0
-    gate.set()
+    try:
+        ticket = pool.copy(staged.deferred, background=True)
+        torch.cuda.synchronize()  # what DeepSpeed's throughput timer does at the start of every forward
+        assert torch.count_nonzero(staged.obj["t"]) == 0  # nothing was queued for it to wait for
+    finally:
+        gate.set()
     ticket.wait()
     assert torch.equal(staged.obj["t"], torch.full((1 << 24,), 7.0))
     pool.close()
 
 
-def test_the_writer_can_wait_for_the_first_piece_of_a_background_gpu_copy_alone():
+def test_the_first_piece_of_a_background_gpu_copy_holds_its_bytes_once_the_writers_wait_for_it_returns():
     source = torch.arange(1 << 24, dtype=torch.float32, device="cuda")
     pool = StagingPool()
     staged = pool.snapshot({"t": source}, "m.pt", slot_key="m", defer=True)

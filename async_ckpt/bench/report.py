@@ -17,15 +17,18 @@ def _median(values: list[float]) -> float | None:
 
 def next_step_over_before(steps: list[dict], method: str, saves: list[dict], before: int = 10) -> float | None:
     """How much longer the step right after a save ran than the median of the ``before`` steps just
-    before that save (the same method's, on one rank), median over the saves.
+    before that save (the same method's, on one rank, outside any of its saves' windows from the call
+    to durable), median over the saves; ``None`` where no save has such steps before it.
 
     The run's median step drifts by tens of percent over a run on a shared machine (and on a GPU whose
     training thread is launch-bound), more than a background write slows a step; against the steps
     right before each save, what the save costs its next step shows through that drift."""
+    windows = [(s["start"], s["start"] + max(s["call_s"], s.get("durable_s") or 0.0)) for s in saves]
     own = [s for s in steps if s["method"] == method]
+    clean = [s for s in own if not any(a < s["end"] and s["start"] < b for a, b in windows)]
     extras = []
     for save in saves:
-        earlier = [s["end"] - s["start"] for s in own if s["end"] <= save["start"]][-before:]
+        earlier = [s["end"] - s["start"] for s in clean if s["end"] <= save["start"]][-before:]
         later = [s for s in own if s["start"] >= save["start"] + save["call_s"]]
         if earlier and later:
             extras.append(later[0]["end"] - later[0]["start"] - statistics.median(earlier))
