@@ -288,7 +288,7 @@ class StagingPool:
             self._pinned.pin(mapping, len(mapping), pin_for)
 
     def _unpin_after_copies(self, mapping: mmap.mmap) -> None:
-        _synchronize(self._streams)  # the copies this thread queued into it are done before it is unpinned
+        _synchronize(self._streams)  # the copies into its pages (this thread queued them) end before it is unpinned
         self._pinned.unpin(mapping)
 
     def _trim(self, mapping: mmap.mmap, start: int) -> None:
@@ -296,8 +296,7 @@ class StagingPool:
             return
         pinned = mapping in self._pinned
         if pinned:
-            _synchronize(self._streams)  # the copies into these pages end before they are unpinned
-            self._pinned.unpin(mapping)
+            self._unpin_after_copies(mapping)
         host_memory.release_tail(mapping, start)
         if pinned and start:
             self._pinned.pin(mapping, start, self._reserve_pin)
