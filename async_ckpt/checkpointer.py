@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
@@ -94,6 +95,12 @@ class _Session:
     base: str | None = None
 
 
+def _remove_folder(path: str, owner_pid: int) -> None:
+    """Remove ``path`` unless this process is a fork of its owner (the folder is still the parent's)."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _normalize(url: str) -> str:
     return os.path.abspath(os.path.expanduser(url)) if "://" not in url else url.rstrip("/")
 
@@ -121,6 +128,9 @@ class AsyncCheckpointer:
         self.storage = self._open(config.url)
         self._storages: dict[str, Storage] = {_normalize(config.url): self.storage}
         self._shadow = tempfile.mkdtemp(prefix="async_ckpt_shadow_")
+        # close() removes it; so do the process's exit and the collection of a checkpointer never
+        # closed (HF Trainer and DeepSpeed's own tests never close theirs): no process leaves one behind.
+        self._remove_shadow = weakref.finalize(self, _remove_folder, self._shadow, os.getpid())
         self._pool = StagingPool(copier_init=functools.partial(lower_thread_priority, config.writer_nice))
         self._session: _Session | None = None
         self._last_job: SaveJob | None = None
@@ -378,7 +388,7 @@ class AsyncCheckpointer:
                 del self.engine.save_checkpoint
             if self.engine.__dict__.get("save_16bit_model") == self._engine_save_16bit_model:
                 del self.engine.save_16bit_model
-            shutil.rmtree(self._shadow, ignore_errors=True)
+            self._remove_shadow()
         self._surface_errors()
 
     def __enter__(self) -> "AsyncCheckpointer":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
+import tempfile
 
 import torch.distributed as dist
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # taken before any wrap()
@@ -232,7 +234,8 @@ def save_and_exit(root: str, rank: int, world_size: int, port: int, answers) -> 
     forked_child_s = time.monotonic() - started if child.exitcode is not None else None
     child.kill()
     answers.put({"rank": rank, "in_flight": in_flight, "in_flight_after_fork": not handle.done(),
-                 "forked_child_s": forked_child_s})
+                 "forked_child_s": forked_child_s,
+                 "shadow_folders": glob.glob(os.path.join(tempfile.gettempdir(), "async_ckpt_shadow_*"))})
 
 
 def _read_latest(root: str) -> str | None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
+import os
 import queue
+import tempfile
 
 import pytest
 
@@ -162,6 +165,7 @@ def exited(tmp_path_factory):
     ctx = multiprocessing.get_context("spawn")
     answers = ctx.Queue()
     port = free_port()
+    shadows_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "async_ckpt_shadow_*")))
     procs = [ctx.Process(target=reader_tasks.save_and_exit, args=(root, rank, 2, port, answers)) for rank in range(2)]
     for proc in procs:
         proc.start()
@@ -175,7 +179,10 @@ def exited(tmp_path_factory):
             got.append(answers.get(timeout=1))
         except queue.Empty:
             break
+    shadows_left = set(glob.glob(os.path.join(tempfile.gettempdir(), "async_ckpt_shadow_*"))) - shadows_before
     return {"exitcodes": [p.exitcode for p in procs], "ranks": sorted(got, key=lambda a: a["rank"]),
+            "shadow_folders_made": sorted({p for a in got for p in a["shadow_folders"]} - shadows_before),
+            "shadow_folders_left": sorted(shadows_left),
             "latest": reader_tasks._read_latest(root), **_tag_state(root, "before_exit")}
 
 
@@ -183,6 +190,12 @@ def test_a_process_that_ends_right_after_save_commits_the_save_first(exited):
     assert exited["exitcodes"] == [0, 0]
     assert [rank["in_flight"] for rank in exited["ranks"]] == [True, True]
     assert exited["latest"] == "before_exit" and exited["committed"] and exited["verified"]
+
+
+def test_a_process_that_ends_without_closing_its_checkpointer_leaves_no_shadow_folder(exited):
+    assert exited["exitcodes"] == [0, 0]
+    assert len(exited["shadow_folders_made"]) == 2  # one per rank, while its save was in flight
+    assert exited["shadow_folders_left"] == []
 
 
 def test_a_forked_child_of_a_process_with_a_save_in_flight_ends_without_waiting_for_it(exited):
