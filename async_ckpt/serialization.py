@@ -33,7 +33,6 @@ import os
 import pickle
 import shutil
 import tempfile
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,13 +41,13 @@ from typing import Any, BinaryIO
 import torch
 
 from async_ckpt import torch_zip
-from async_ckpt.checksum import crc32_combine, crc32_in_pieces, format_crc
+from async_ckpt.checksum import crc32, crc32_combine, crc32_in_pieces, format_crc
 from async_ckpt.manifest import FileEntry
 from async_ckpt.staging import COPY_PIECE, StagedFile
 from async_ckpt.storage.base import IO_CHUNK, LEND_MIN, Storage, buffer_address
 from async_ckpt.torch_zip import Crc, resolve_crc
 
-#: Threads per file that checksum its large staging buffers (``zlib.crc32`` runs without the GIL).
+#: Threads per file that checksum its large staging buffers (:func:`~async_ckpt.checksum.crc32` runs without the GIL).
 CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -178,7 +177,7 @@ class ChecksumWriter:
                 self._pieces += [(self._crc, self._run, None), (crc, view.nbytes, view if crc is None else None)]
                 self._crc = self._run = 0
             else:
-                self._crc = zlib.crc32(view, self._crc) if crc is None else crc32_combine(self._crc, crc, view.nbytes)
+                self._crc = crc32(view, self._crc) if crc is None else crc32_combine(self._crc, crc, view.nbytes)
                 self._run += view.nbytes
             if lent:
                 lending, copied = self._lending, getattr(self._sink, "copied_bytes", 0)
@@ -231,7 +230,7 @@ class ChecksumWriter:
         """CRC-32 of everything written so far."""
         crc = 0
         for piece_crc, length, view in self._pieces:
-            crc = crc32_combine(crc, zlib.crc32(view) if piece_crc is None else resolve_crc(piece_crc), length)
+            crc = crc32_combine(crc, crc32(view) if piece_crc is None else resolve_crc(piece_crc), length)
         return crc32_combine(crc, self._crc, self._run)
 
     def flush(self) -> None:
@@ -333,6 +332,6 @@ def crc32_of_stream(stream: BinaryIO) -> tuple[int, str]:
     """Size and CRC-32 of everything left in ``stream``."""
     crc, size = 0, 0
     while chunk := stream.read(IO_CHUNK):
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         size += len(chunk)
     return size, format_crc(crc)

@@ -32,13 +32,13 @@ import functools
 import io
 import logging
 import struct
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
 import torch
 import torch.utils.serialization  # torch.save's settings (compute_crc32)
 
+from async_ckpt.checksum import crc32
 from async_ckpt.errors import ZipLayoutError
 from async_ckpt.storage.base import buffer_address
 
@@ -155,10 +155,10 @@ class CrcFiller:
         crc: Crc
         if self._names[-1].endswith(_SERIALIZATION_ID):
             view = memoryview(self._serialization_id(view.tobytes()))
-            crc = zlib.crc32(view)
+            crc = crc32(view)
         else:
             known = self._record_crcs.get((buffer_address(view), view.nbytes))
-            crc = known if known is not None else zlib.crc32(view)
+            crc = known if known is not None else crc32(view)
         self._record(crc, hashed=True)
         self._data_size = view.nbytes
         self._expect = self._descriptor_after_data

@@ -71,6 +71,13 @@ def test_crc32_combine_equals_the_crc_of_the_concatenation(n1, n2):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
 
 
+@pytest.mark.parametrize("n,start", [(0, 0), (0, 0x1234), (1, 0), (4095, 0xDEADBEEF), (3 << 20, 0), (3 << 20, 7)])
+def test_the_packages_crc32_is_zlibs_for_any_buffer_and_starting_value(n, start):
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    view = memoryview(data.numpy()).cast("B")  # a tensor's memory, as the writer hands it over
+    assert checksum.crc32(view, start) == zlib.crc32(data.numpy().tobytes(), start)
+
+
 def test_lent_snapshot_file_and_crc_equal_torch_save_on_every_save(direct_root):
     pool, storage = StagingPool(), LocalStorage(str(direct_root / "root"))
     for _ in range(3):  # the first save places nothing yet; the next ones are placed by the first

@@ -24,7 +24,6 @@ import tempfile
 import threading
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,7 +34,7 @@ from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake, Outcome
 from async_ckpt.job import SaveJob
 from async_ckpt.manifest import FileEntry
-from async_ckpt.checksum import format_crc
+from async_ckpt.checksum import crc32, format_crc
 from async_ckpt.staging import CopyTicket
 from async_ckpt.storage.base import Storage
 
@@ -93,7 +92,7 @@ def run_save(storage_for: Callable[[int], CountingStorage], stores: list[Any], t
             payload = f"rank {run.rank} of {tag}".encode()
             time.sleep(write_delay(run.rank))
             storage.write_bytes(f"{tag}/rank{run.rank}.bin", payload)
-            entry = FileEntry(path=f"rank{run.rank}.bin", size=len(payload), crc32=format_crc(zlib.crc32(payload)),
+            entry = FileEntry(path=f"rank{run.rank}.bin", size=len(payload), crc32=format_crc(crc32(payload)),
                               rank=run.rank)
             storage.requests.clear()  # from here on: what the commit costs
             run.reported = time.perf_counter()

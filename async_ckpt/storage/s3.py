@@ -121,7 +121,7 @@ class UploadLanes:
     request costs CPU on the thread that sends it (over plain HTTP botocore SHA-256-signs the
     whole body; every part's CRC-32 is computed). With one thread the client tops out where
     boto3's TransferManager, which spreads the same work over a thread pool, does (0.55 GB/s
-    against an endpoint that drops what it gets, on 2 cores); hashlib and zlib release the GIL,
+    against an endpoint that drops what it gets, on 2 cores); hashlib and the CRC-32 release the GIL,
     so with 4 loops parts are hashed in parallel (0.75 GB/s; benchmarks/RESULTS.md). The threads
     (``async_ckpt-s3-lane-N``) start with the first multipart upload and stop in :meth:`close`.
     """
