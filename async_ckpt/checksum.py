@@ -4,7 +4,7 @@
 zlib's at about 5x its speed on one core (10.7 against 1.8 GB/s on the development machine), and
 like it without the GIL. The writer checksums every byte it writes, on cores training needs, so its
 CPU per byte is mostly this checksum: where the write itself costs little CPU (``O_DIRECT`` from
-the staging buffers), ISA-L's cut the background writer's CPU time by most of what it was.
+the staging buffers), ISA-L's cut the writer's CPU per file by two thirds (benchmarks/RESULTS.md).
 
 A torch.save file needs the CRC-32 of every record (the zip format), and the manifest the CRC-32
 of the whole file. Computing both over the same gigabytes would cost two passes of CPU, on the

@@ -90,8 +90,8 @@ class CheckpointConfig:
             and the commit. ``None`` (default): on where training runs on the CPU and ``url`` is in
             memory (tmpfs, ramfs) with no ``local_tier``, off elsewhere. In memory a write is CPU
             work with no device to hand it to: in the background it cost CPU training 2.6-4x stock
-            DeepSpeed's save, written while training waits about stock's (benchmarks/RESULTS.md, "A
-            memory-backed target, continued"). ``False`` writes in the background there too.
+            DeepSpeed's save, written while training waits 0.8-0.9x stock's (benchmarks/RESULTS.md,
+            "ISA-L's CRC-32"). ``False`` writes in the background there too.
         local_tier: a node-local folder (NVMe, ``/dev/shm``) where each save is written and committed
             first; each rank's drainer thread then copies the committed tag to ``url`` with a commit
             of its own (see :mod:`async_ckpt.tiers`). It may be a different folder on every node: no
