@@ -98,28 +98,22 @@ def _wait_at_exit() -> None:
         open_now = list(_OPEN)
     for checkpointer in open_now:
         try:
-            _wait_for_saves_at_exit(checkpointer)
-        except KeyboardInterrupt:
-            return
+            pending = [f"{handle.url}/{handle.tag}" for handle in checkpointer._handles if not handle.done()]
+            if not pending:
+                continue
+            logger.info("rank %d: the process is exiting with saves in flight; waiting for their commit (at most "
+                        "%.0f s): %s", checkpointer.rank, checkpointer.config.wait_timeout_s, ", ".join(pending))
+            try:
+                checkpointer.wait()
+            except Exception as exc:  # raised with on_error="raise", or WaitTimeoutError
+                logger.error("rank %d: a save in flight at exit did not commit: %s: %s", checkpointer.rank,
+                             type(exc).__name__, exc)
+            except KeyboardInterrupt:
+                logger.error("rank %d: interrupted at exit; saves still in flight are lost: %s", checkpointer.rank,
+                             ", ".join(pending))
+                return
         finally:
             checkpointer._remove_shadow()
-
-
-def _wait_for_saves_at_exit(checkpointer: "AsyncCheckpointer") -> None:
-    pending = [f"{handle.url}/{handle.tag}" for handle in checkpointer._handles if not handle.done()]
-    if not pending:
-        return
-    logger.info("rank %d: the process is exiting with saves in flight; waiting for their commit (at most %.0f s): "
-                "%s", checkpointer.rank, checkpointer.config.wait_timeout_s, ", ".join(pending))
-    try:
-        checkpointer.wait()
-    except Exception as exc:  # raised with on_error="raise", or WaitTimeoutError
-        logger.error("rank %d: a save in flight at exit did not commit: %s: %s", checkpointer.rank,
-                     type(exc).__name__, exc)
-    except KeyboardInterrupt:
-        logger.error("rank %d: interrupted at exit; saves still in flight are lost: %s", checkpointer.rank,
-                     ", ".join(pending))
-        raise
 
 
 def _ends_the_default_group(group: Any = None) -> bool:
