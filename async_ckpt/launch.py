@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import faulthandler
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import queue
 import shutil
@@ -66,7 +67,34 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
-def _worker(tasks: Any, results: Any) -> None:
+#: What this process's fork server imported, and for which accelerator (see ``RankGroup(preload=...)``).
+_preloaded: tuple[tuple[str, ...], str] | None = None
+
+
+def _start_preloading_server(modules: tuple[str, ...], accelerator: str) -> None:
+    """Start multiprocessing's fork server (one per process), importing ``modules`` once for every rank it forks.
+
+    DeepSpeed picks its accelerator at import, so the server is started with the group's
+    ``DS_ACCELERATOR``, and a later group that asks for other modules or another accelerator is
+    refused: its ranks would silently run with the first group's.
+    """
+    global _preloaded
+    if _preloaded is None:
+        with _environment({"DS_ACCELERATOR": accelerator}):
+            mp.get_context("forkserver").set_forkserver_preload(list(modules))
+            multiprocessing.forkserver.ensure_running()
+        _preloaded = (modules, accelerator)
+    elif _preloaded != (modules, accelerator):
+        raise ValueError(f"RankGroup(preload={modules!r}) for accelerator '{accelerator}': this process's fork "
+                         f"server already imported {_preloaded[0]!r} for '{_preloaded[1]}', and there is one per "
+                         "process; pass the same preload list and accelerator, or preload=() for spawned ranks")
+
+
+def _worker(tasks: Any, results: Any, environ: dict[str, str] | None = None) -> None:
+    if environ is not None:  # forked by the preloading server: this group's environment, as a spawned rank is born with
+        os.environ.clear()
+        os.environ.update(environ)
+        tempfile.tempdir = None
     rank = int(os.environ["RANK"])
     stacks = open(os.environ["ASYNC_CKPT_STACK_FILE"], "w")  # noqa: SIM115 (open for the life of the rank)
     faulthandler.register(STACK_DUMP_SIGNAL, file=stacks, all_threads=True)
@@ -102,23 +130,40 @@ class RankGroup:
     """
 
     def __init__(self, world_size: int = 2, *, env: dict[str, str] | None = None, start_timeout_s: float = 600,
-                 daemon: bool = True) -> None:
-        """``daemon=False`` lets rank code start processes of its own (DeepSpeed's decoupled writer)."""
-        ctx = mp.get_context("spawn")
+                 daemon: bool = True, preload: tuple[str, ...] = ()) -> None:
+        """``daemon=False`` lets rank code start processes of its own (DeepSpeed's decoupled writer).
+
+        ``preload`` (e.g. ``("deepspeed", "transformers")``): forks every rank
+        from one server process that imported these modules once (multiprocessing's ``forkserver``)
+        instead of starting a fresh interpreter per rank, which spends seconds of CPU on imports. Each
+        rank gets the environment of the moment it starts, as a spawned one does, but the modules
+        keep what they read from the environment at import (DeepSpeed's accelerator), so every
+        preloading group of a process must name the same modules and ``DS_ACCELERATOR``. The
+        test suite, which starts dozens of groups, uses it; ``demo`` and ``bench`` spawn (the bench's
+        restarts time a job's real start, imports included).
+        """
+        accelerator = (env or {}).get("DS_ACCELERATOR") or os.environ.get("DS_ACCELERATOR", "cpu")
+        if preload:
+            _start_preloading_server(tuple(preload), accelerator)
+        ctx = mp.get_context("forkserver" if preload else "spawn")
         self.world_size = world_size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        # The environment goes in at birth: unpickling _worker imports async_ckpt, hence DeepSpeed,
-        # which picks its accelerator from DS_ACCELERATOR at import, before any code of ours runs.
-        common = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), **(env or {}),
+        # A spawned rank is born with this environment, before it imports DeepSpeed (which picks its
+        # accelerator from DS_ACCELERATOR at import); a forked one sets it as the worker's first act,
+        # its DeepSpeed imported by the server for the same accelerator.
+        common = {**(env or {}), "DS_ACCELERATOR": accelerator,
                   "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        self._procs = [ctx.Process(target=_worker, args=(self._tasks[r], self._results), name=f"async_ckpt-rank{r}",
-                                   daemon=daemon) for r in range(world_size)]
         self._stack_dir = tempfile.mkdtemp(prefix="async_ckpt_ranks_")
-        for rank, proc in enumerate(self._procs):
+        self._procs = []
+        for rank in range(world_size):
             with _environment({**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
                                "ASYNC_CKPT_STACK_FILE": self._stack_file(rank)}):
+                proc = ctx.Process(target=_worker, args=(self._tasks[rank], self._results,
+                                                         dict(os.environ) if preload else None),
+                                   name=f"async_ckpt-rank{rank}", daemon=daemon)
+                self._procs.append(proc)
                 proc.start()
         self._collect(start_timeout_s, "start")
 

@@ -49,6 +49,11 @@ if not os.environ.get("ASYNC_CKPT_TEST_S3_ENDPOINT"):
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
 
+#: Imported once by the fork server that starts every rank of the suite (``RankGroup(preload=...)``):
+#: a spawned rank spends ~5 s of CPU importing these, and the suite starts dozens of groups.
+PRELOAD = ("deepspeed", "transformers", "s3fs", "async_ckpt.workload")
+
+
 class Ranks:
     """A 2-rank group that restarts itself if a previous test tore it down (e.g. after a hang)."""
 
@@ -58,7 +63,7 @@ class Ranks:
 
     def run(self, fn, *args, **kwargs):
         if self._group is None or not self._group.alive:
-            self._group = RankGroup(self.world_size)
+            self._group = RankGroup(self.world_size, preload=PRELOAD)
         return self._group.run(fn, *args, **kwargs)
 
     def restart(self) -> None:

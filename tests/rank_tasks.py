@@ -640,6 +640,11 @@ def save_to_slow_storage(root: str) -> dict:
             "latest": open(f"{root}/latest").read()}
 
 
+def environment(names: list[str]) -> list[str | None]:
+    """The values of ``names`` in this rank's environment (None where unset)."""
+    return [os.environ.get(name) for name in names]
+
+
 def hang_on_rank(rank: int, seconds: float) -> dict:
     """``rank`` hangs (a sleep standing in for a stuck collective); the others answer at once."""
     if _rank() == rank:
