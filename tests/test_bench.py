@@ -292,3 +292,14 @@ def test_step_profile_profiles_the_steps_around_each_save_on_a_real_rank(tmp_pat
     assert windows[0]["durable_s"] > 0
     assert (tmp_path / "trace_save0.json.gz").stat().st_size > 0
     assert "| 0 | save |" in (tmp_path / "profile.md").read_text()
+
+
+def test_fault_cost_times_first_touch_and_rewrite_as_held_memory_grows_then_releases_it(tmp_path):
+    from async_ckpt.bench.fault_cost import measure
+
+    for folder in (str(tmp_path), "anon"):
+        result = measure(folder, 2, 1 << 20, touch_bytes=1 << 20, repeats=1)
+        assert [row["held_bytes"] for row in result["rows"]] == [0, 1 << 20, 2 << 20, 0], folder
+        assert result["rows"][-1]["released"] is True
+        assert all(t["first_s"] > 0 and t["again_s"] > 0 for row in result["rows"] for t in row["touches"]), folder
+    assert list(tmp_path.iterdir()) == []  # the held files and their folder are gone
