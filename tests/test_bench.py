@@ -44,6 +44,17 @@ def test_bench_reports_every_metric_for_each_method_that_ran(bench):
         assert metrics["stall_s"] > 0 and metrics["bytes_per_save"] > 0
 
 
+def test_bench_records_each_steps_cpu_and_page_faults_and_what_a_background_write_adds_to_them(bench):
+    _, report = bench
+    for rank in report["ranks"]:
+        assert all(step["cpu_s"] >= 0 and step["page_faults"] >= 0 for step in rank["steps"])
+        assert sum(step["cpu_s"] for step in rank["steps"]) > 0
+    for name in ("async_ckpt", "async_ckpt_copy_in_save"):
+        m = report["summary"]["methods"][name]
+        for key in ("extra_cpu_per_step_while_persisting_s", "extra_page_faults_per_step_while_persisting"):
+            assert (m[key] is None) == (m["steps_inside_windows"] == 0), (name, key)
+
+
 def test_the_step_after_a_save_is_measured_against_the_steps_just_before_it_not_the_runs_median():
     from async_ckpt.bench.report import next_step_over_before
 

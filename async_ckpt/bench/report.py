@@ -86,14 +86,22 @@ def summarize(report: dict) -> dict:
         if name == "stock":
             stock_stall = stall
         methods[name] = entry
-    outside = [s["end"] - s["start"] for s in rank0_steps
-               if not any(a < s["end"] and s["start"] < b for ws in windows.values() for a, b in ws)]
+    outside_steps = [s for s in rank0_steps
+                     if not any(a < s["end"] and s["start"] < b for ws in windows.values() for a, b in ws)]
+    outside = [s["end"] - s["start"] for s in outside_steps]
     for name, ws in windows.items():
-        inside = [s["end"] - s["start"] for s in rank0_steps if s["method"] == name
-                  and any(a < s["end"] and s["start"] < b for a, b in ws)]
+        inside_steps = [s for s in rank0_steps if s["method"] == name
+                        and any(a < s["end"] and s["start"] < b for a, b in ws)]
+        inside = [s["end"] - s["start"] for s in inside_steps]
         base = _median(outside)
         methods[name]["steps_inside_windows"] = len(inside)
         methods[name]["slowdown_while_persisting"] = (_median(inside) / base - 1) if inside and base else None
+        # where that slowdown goes: the CPU time and page faults each step adds while the write runs
+        for key, figure in (("extra_cpu_per_step_while_persisting_s", "cpu_s"),
+                           ("extra_page_faults_per_step_while_persisting", "page_faults")):
+            ins = [s[figure] for s in inside_steps if figure in s]
+            outs = [s[figure] for s in outside_steps if figure in s]
+            methods[name][key] = _median(ins) - _median(outs) if ins and outs else None
         # everything a save costs the training loop: the stall plus the extra time of the steps that overlap
         # the write. Signed (a step faster than the median offsets a slower one), else step-time noise alone
         # would count as lost time for every method that writes in the background; never below zero.
@@ -151,6 +159,10 @@ def table(report: dict) -> str:
         if "staging_bytes" in m:
             lines.append(f"\n{name}: staging {m['staging_bytes'] / GB:.3f} GB (flat across saves: {m['staging_flat']}), "
                          f"RSS growth from the 2nd to the last save {_fmt(m['rss_growth_over_saves'], '+.1%')}")
+        if m.get("extra_cpu_per_step_while_persisting_s") is not None:
+            lines.append(f"\n{name}: each step while persisting, rank 0 (all its threads) "
+                         f"{m['extra_cpu_per_step_while_persisting_s']:+.3f} s of CPU and "
+                         f"{m['extra_page_faults_per_step_while_persisting']:+.0f} page faults against the steps outside saves")
         if m.get("note"):
             lines.append(f"\n{name}: {m['note']}")
     lines.append(f"\npeak RSS (max over ranks) {s['peak_rss_bytes'] / GB:.2f} GB")

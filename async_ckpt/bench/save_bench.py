@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import platform
+import resource
 import shutil
 import tempfile
 import time
@@ -81,10 +82,17 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     steps: list[dict] = []
 
     def step(method: str) -> None:
+        # the rank's CPU time over all its threads (the writer's too) and its page faults, per step:
+        # what a background write adds to the steps it overlaps, on a machine with no idle core
         nonlocal peak_rss
+        before = resource.getrusage(resource.RUSAGE_SELF)
         started = time.time()
         workload.train(engine, 1, tokens, rank)
-        steps.append({"method": method, "start": started, "end": time.time()})
+        end = time.time()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        steps.append({"method": method, "start": started, "end": end,
+                      "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+                      "page_faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt})
         peak_rss = max(peak_rss, proc.memory_info().rss)
 
     step("warmup")
