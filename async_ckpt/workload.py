@@ -75,12 +75,13 @@ def build_model(size: str = "tiny", vocab_size: int = 320, seed: int = 0) -> tor
 
 
 def make_engine(stage: int, dtype: str = "fp32", *, size: str = "tiny", seed: int = 0,
-                load_universal: bool = False) -> Any:
-    """``deepspeed.initialize`` on the workload model; every rank must call it."""
+                load_universal: bool = False, micro_batch: int = 2) -> Any:
+    """``deepspeed.initialize`` on the workload model; every rank must call it. The default micro-batch
+    keeps CPU steps short; on a GPU it leaves the step bound by kernel launches, a larger one by the GPU."""
     import deepspeed
 
     model = build_model(size, seed=seed)
-    config = ds_config(stage, dtype, load_universal=load_universal)
+    config = ds_config(stage, dtype, micro_batch=micro_batch, load_universal=load_universal)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -137,13 +138,14 @@ def build_mlp(size: str = "bench", seed: int = 0) -> MLP:
     return MLP(n_linear, width)
 
 
-def make_mlp_engine(stage: int, dtype: str = "fp32", *, size: str = "bench", seed: int = 0) -> Any:
+def make_mlp_engine(stage: int, dtype: str = "fp32", *, size: str = "bench", seed: int = 0,
+                    micro_batch: int | None = None) -> Any:
     """``deepspeed.initialize`` on :func:`build_mlp` with the GPT workload's :func:`ds_config` (only
-    the micro-batch differs); every rank must call it."""
+    the micro-batch differs: the size's, unless given); every rank must call it."""
     import deepspeed
 
     model = build_mlp(size, seed=seed)
-    config = ds_config(stage, dtype, micro_batch=MLP_SIZES[size][2])
+    config = ds_config(stage, dtype, micro_batch=micro_batch or MLP_SIZES[size][2])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 

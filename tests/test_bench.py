@@ -212,6 +212,24 @@ def test_bench_writer_process_prototype_writes_the_same_bytes_as_the_writer_thre
         assert "writer process" in ours["note"] and " 0 files" not in ours["note"]
 
 
+@pytest.fixture(scope="module")
+def pieces_ab(tmp_path_factory):
+    """One --quick run of the defaults and the 128 MiB piece A/B, at micro-batch 3."""
+    return _quick_bench(tmp_path_factory.mktemp("pieces_ab"), "--micro-batch", "3",
+                        "--methods", "async_ckpt,async_ckpt_pieces128")
+
+
+def test_bench_micro_batch_option_sets_every_ranks_micro_batch(pieces_ab):
+    assert pieces_ab["config"]["micro_batch"] == 3
+    assert [rank["micro_batch"] for rank in pieces_ab["ranks"]] == [3, 3]
+
+
+def test_bench_piece_size_ab_saves_the_same_bytes_as_the_defaults(pieces_ab):
+    _assert_every_save_durable(pieces_ab, ["async_ckpt", "async_ckpt_pieces128"])
+    for rank in pieces_ab["ranks"]:
+        assert rank["methods"]["async_ckpt_pieces128"]["bytes_per_save"] == rank["methods"]["async_ckpt"]["bytes_per_save"]
+
+
 def test_writer_process_serializes_in_its_worker_and_restores_the_writer(tmp_path):
     import os
 

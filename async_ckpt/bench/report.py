@@ -129,7 +129,8 @@ def table(report: dict) -> str:
     floor = s["floor"]
     lines = [
         f"## Save benchmark: ZeRO-{cfg['stage']} {cfg['dtype']}, {cfg['ranks']} ranks, "
-        f"workload {cfg.get('workload', 'gpt')} '{cfg['size']}', "
+        f"workload {cfg.get('workload', 'gpt')} '{cfg['size']}'"
+        f"{'' if cfg.get('micro_batch') is None else ' at micro-batch ' + str(cfg['micro_batch'])}, "
         f"target {report['target']['kind']}, {cfg['saves']} saves x {cfg['steps_between']} steps",
         "",
         f"checkpoint {floor['bytes'] / GB:.3f} GB per save (all ranks); floors: copy {floor['copy_s'] * 1000:.1f} ms "

@@ -46,6 +46,7 @@ class BenchConfig:
     out: str = "bench_out"
     workdir: str | None = None
     workload: str = "gpt"  # "mlp": async_ckpt.workload.make_mlp_engine, sized by `size` in MLP_SIZES
+    micro_batch: int | None = None  # None: the workload's (2 for gpt, the size's for mlp)
 
     @classmethod
     def quick(cls, **overrides: Any) -> "BenchConfig":
@@ -73,10 +74,10 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     rank = dist.get_rank()
     proc = psutil.Process()
     if cfg["workload"] == "mlp":
-        engine = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"])
+        engine = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"])
         tokens = None  # the MLP trains on random inputs
     else:
-        engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"])
+        engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"] or 2)
         tokens = workload.token_stream()
     peak_rss = proc.memory_info().rss
     steps: list[dict] = []
@@ -139,7 +140,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
              "local_write_s": floors.local_write_floor_s(nbytes, os.path.join(target["local_dir"], "floor"))}
     if target["kind"] == "s3":
         floor["s3_upload_s"] = floors.s3_upload_floor_s(nbytes, target["url"], target["storage_options"])
-    return {"rank": rank, "methods": results, "floor": floor, "steps": steps, "peak_rss": peak_rss}
+    return {"rank": rank, "methods": results, "floor": floor, "steps": steps, "peak_rss": peak_rss,
+            "micro_batch": engine.train_micro_batch_size_per_gpu()}
 
 
 def _machine() -> dict:
@@ -185,6 +187,9 @@ def run(cfg: BenchConfig) -> dict:
     sizes = MLP_SIZES if cfg.workload == "mlp" else SIZES
     if cfg.size not in sizes:
         raise SystemExit(f"--workload {cfg.workload} has no size {cfg.size!r}; choose from {list(sizes)}")
+    if cfg.micro_batch is not None and (isinstance(cfg.micro_batch, bool) or not isinstance(cfg.micro_batch, int)
+                                        or cfg.micro_batch < 1):
+        raise SystemExit(f"--micro-batch must be a positive integer, got {cfg.micro_batch!r}")
     if cfg.target == "tiered":
         if cfg.workload != "gpt":
             raise SystemExit("--target tiered trains the gpt workload only")
@@ -230,6 +235,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "steps (--quick: 2 x Linear(256), batch 8)")
     parser.add_argument("--size", choices=list(SIZES), default=None,
                         help=f"model size (--workload mlp: one of {list(MLP_SIZES)})")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="micro-batch per rank (default: 2 for gpt, the size's for mlp); on a GPU the gpt "
+                             "default leaves steps bound by kernel launches, a larger one makes them GPU-bound")
     parser.add_argument("--saves", type=int, default=None, help="saves per method")
     parser.add_argument("--steps-between", type=int, default=None)
     parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
@@ -261,7 +269,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                           "target": "s3" if args.url and args.target != "tiered" else args.target,
                           "url": args.url, "endpoint": args.endpoint,
                           "methods": [m for m in args.methods.split(",") if m], "out": args.out,
-                          "workdir": args.workdir, "workload": args.workload})
+                          "workdir": args.workdir, "workload": args.workload, "micro_batch": args.micro_batch})
 
 
 def main(argv: list[str] | None = None) -> int:
