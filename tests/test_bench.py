@@ -55,6 +55,28 @@ def test_bench_records_each_steps_cpu_and_page_faults_and_what_a_background_writ
             assert (m[key] is None) == (m["steps_inside_windows"] == 0), (name, key)
 
 
+def test_bench_attributes_each_steps_cpu_to_the_threads_that_used_it(bench):
+    _, report = bench
+    for rank in report["ranks"]:
+        for step in rank["steps"]:
+            assert all(cpu > 0 for cpu in step["threads_cpu_s"].values())
+        assert any("MainThread" in step["threads_cpu_s"] for step in rank["steps"])  # the training thread
+    m = report["summary"]["methods"]["async_ckpt"]
+    assert (m["extra_cpu_per_step_by_thread_s"] is None) == (m["steps_inside_windows"] == 0)
+
+
+def test_extra_cpu_by_thread_counts_a_thread_missing_from_a_step_as_no_cpu():
+    from async_ckpt.bench.report import _extra_by_thread
+
+    inside = [{"threads_cpu_s": {"MainThread": 1.0, "async_ckpt-crc": 0.4}},
+              {"threads_cpu_s": {"MainThread": 1.2, "async_ckpt-crc": 0.2}},
+              {"threads_cpu_s": {"MainThread": 1.1}}]
+    outside = [{"threads_cpu_s": {"MainThread": 1.0}}, {"threads_cpu_s": {"MainThread": 0.8, "native": 0.1}}]
+    assert _extra_by_thread(inside, outside) == pytest.approx({"MainThread": 0.2, "async_ckpt-crc": 0.2,
+                                                               "native": -0.05})
+    assert _extra_by_thread(inside, [{"method": "stock"}]) is None
+
+
 def test_the_step_after_a_save_is_measured_against_the_steps_just_before_it_not_the_runs_median():
     from async_ckpt.bench.report import next_step_over_before
 
@@ -312,7 +334,7 @@ def test_step_profile_refuses_a_trace_without_its_annotations():
 def test_step_profile_profiles_the_steps_around_each_save_on_a_real_rank(tmp_path):
     from async_ckpt.bench.step_profile import main
 
-    assert main(["--size", "tiny", "--saves", "1", "--before", "1", "--after", "2", "--steps-between", "0",
+    assert main(["--size", "tiny", "--micro-batch", "3", "--saves", "1", "--before", "1", "--after", "2", "--steps-between", "0",
                  "--warmup", "1", "--out", str(tmp_path)]) == 0
     windows = json.loads((tmp_path / "profile.json").read_text())["windows"]
     assert [row["kind"] for row in windows[0]["rows"]] == ["step", "save", "step", "step"]

@@ -102,6 +102,7 @@ def summarize(report: dict) -> dict:
             ins = [s[figure] for s in inside_steps if figure in s]
             outs = [s[figure] for s in outside_steps if figure in s]
             methods[name][key] = _median(ins) - _median(outs) if ins and outs else None
+        methods[name]["extra_cpu_per_step_by_thread_s"] = _extra_by_thread(inside_steps, outside_steps)
         # everything a save costs the training loop: the stall plus the extra time of the steps that overlap
         # the write. Signed (a step faster than the median offsets a slower one), else step-time noise alone
         # would count as lost time for every method that writes in the background; never below zero.
@@ -117,6 +118,18 @@ def summarize(report: dict) -> dict:
                       "local_write_gbps": local_floor_gbps, "s3_upload_gbps": s3_floor_gbps},
             "median_step_s_outside_saves": _median(outside), "peak_rss_bytes": max(r["peak_rss"] for r in ranks),
             "methods": methods}
+
+
+def _extra_by_thread(inside: list[dict], outside: list[dict]) -> dict[str, float] | None:
+    """Per thread name, the median CPU of the steps inside the write minus that outside (a thread absent
+    from a step used none in it): which threads the extra CPU per step went to. ``None`` without figures."""
+    inside = [s["threads_cpu_s"] for s in inside if "threads_cpu_s" in s]
+    outside = [s["threads_cpu_s"] for s in outside if "threads_cpu_s" in s]
+    if not inside or not outside:
+        return None
+    names = {name for step in inside + outside for name in step}
+    return {name: _median([s.get(name, 0.0) for s in inside]) - _median([s.get(name, 0.0) for s in outside])
+            for name in sorted(names)}
 
 
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
@@ -164,6 +177,10 @@ def table(report: dict) -> str:
             lines.append(f"\n{name}: each step while persisting, rank 0 (all its threads) "
                          f"{m['extra_cpu_per_step_while_persisting_s']:+.3f} s of CPU and "
                          f"{m['extra_page_faults_per_step_while_persisting']:+.0f} page faults against the steps outside saves")
+        if m.get("extra_cpu_per_step_by_thread_s"):
+            by_thread = sorted(m["extra_cpu_per_step_by_thread_s"].items(), key=lambda kv: -abs(kv[1]))
+            lines.append(f"\n{name}: that CPU by thread (median inside minus outside): "
+                         + ", ".join(f"{thread} {extra:+.3f} s" for thread, extra in by_thread))
         if m.get("note"):
             lines.append(f"\n{name}: {m['note']}")
     lines.append(f"\npeak RSS (max over ranks) {s['peak_rss_bytes'] / GB:.2f} GB")

@@ -70,6 +70,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
 
     from async_ckpt import workload
     from async_ckpt.bench import floors
+    from async_ckpt.bench.thread_cpu import cpu_delta, thread_cpu
 
     rank = dist.get_rank()
     proc = psutil.Process()
@@ -85,15 +86,17 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     def step(method: str) -> None:
         # the rank's CPU time over all its threads (the writer's too) and its page faults, per step:
         # what a background write adds to the steps it overlaps, on a machine with no idle core
+        # (and by thread: the training thread's, the writer's pools', PyTorch's and gloo's native threads)
         nonlocal peak_rss
-        before = resource.getrusage(resource.RUSAGE_SELF)
+        before, threads_before = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
         started = time.time()
         workload.train(engine, 1, tokens, rank)
         end = time.time()
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        after, threads_after = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
         steps.append({"method": method, "start": started, "end": end,
                       "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
-                      "page_faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt})
+                      "page_faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt,
+                      "threads_cpu_s": cpu_delta(threads_before, threads_after)})
         peak_rss = max(peak_rss, proc.memory_info().rss)
 
     step("warmup")

@@ -35,6 +35,8 @@ import tempfile
 import time
 from typing import Any, Iterable
 
+from async_ckpt.bench.thread_cpu import as_rows, cpu_delta, thread_cpu
+
 STEP = "async_ckpt.step"
 SAVE = "async_ckpt.save"
 _GPU_WORK = ("kernel", "gpu_memset")
@@ -107,36 +109,6 @@ def reduce_trace(trace: dict) -> list[dict]:
     return rows
 
 
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds each thread of this process has used so far, by Python thread name (numbers of
-    pool threads dropped, so a pool sums up); threads Python did not start count as ``"native"``.
-    Empty where ``/proc`` has no per-thread figures."""
-    import threading
-
-    names = {t.native_id: t.name.rstrip("0123456789").rstrip("_-") for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    used: dict[str, float] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return used
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended meanwhile
-        name = names.get(int(tid), "native")
-        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return used
-
-
-def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> list[list[Any]]:
-    """``[thread name, CPU ms]`` used between two :func:`_thread_cpu` readings, most first."""
-    delta = {name: after[name] - before.get(name, 0.0) for name in after}
-    return [[name, round(s * 1e3)] for name, s in sorted(delta.items(), key=lambda kv: -kv[1]) if s > 0]
-
-
 def _activities(device: str) -> list[Any]:
     from torch.profiler import ProfilerActivity
 
@@ -154,9 +126,11 @@ def profile_rank(cfg: dict, out: str) -> list[dict]:
     from async_ckpt import workload
 
     if cfg["workload"] == "mlp":
-        engine, tokens = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"]), None
+        engine = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"])
+        tokens = None
     else:
-        engine, tokens = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"]), workload.token_stream()
+        engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"] or 2)
+        tokens = workload.token_stream()
     workdir = tempfile.mkdtemp(prefix="async_ckpt_profile_")
     windows = []
     try:
@@ -167,7 +141,7 @@ def profile_rank(cfg: dict, out: str) -> list[dict]:
                 walls, cpu = [], []
                 with profile(activities=_activities(cfg["device"])) as prof:
                     for n in range(cfg["before"] + 1 + cfg["after"]):
-                        started, used = time.perf_counter(), _thread_cpu()
+                        started, used = time.perf_counter(), thread_cpu()
                         if n == cfg["before"]:
                             with record_function(SAVE):
                                 handle = ckpt.save(tag=f"profile-{i}")
@@ -175,7 +149,7 @@ def profile_rank(cfg: dict, out: str) -> list[dict]:
                             with record_function(STEP):
                                 workload.train(engine, 1, tokens, 0)
                         walls.append(time.perf_counter() - started)
-                        cpu.append(_cpu_delta(used, _thread_cpu()))
+                        cpu.append(as_rows(cpu_delta(used, thread_cpu())))
                 path = os.path.join(out, f"trace_save{i}.json")
                 prof.export_chrome_trace(path)
                 with open(path) as fh:
@@ -230,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--workload", choices=["gpt", "mlp"], default="gpt")
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="micro-batch (default: 2 for gpt, the size's for mlp); a larger one quiets GPU steps")
     parser.add_argument("--saves", type=int, default=3, help="profiled windows, one save each")
     parser.add_argument("--before", type=int, default=3, help="profiled steps before each save (the baseline)")
     parser.add_argument("--after", type=int, default=8, help="profiled steps after each save")

@@ -1,0 +1,50 @@
+"""CPU time per thread of this process, by Python thread name, from ``/proc``.
+
+A background write slows the training steps it overlaps; on a machine with no idle core that is CPU
+time, and these readings say whose: the training thread's, the writer's, its CRC-32 and I/O pools',
+or threads Python did not start (PyTorch's intra-op workers, gloo's, CUDA's).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+#: The name of threads that Python did not start.
+NATIVE = "native"
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds each thread of this process has used so far, by Python thread name (numbers of
+    pool threads dropped, so a pool sums up); threads Python did not start count as :data:`NATIVE`.
+    Empty where ``/proc`` has no per-thread figures."""
+    names = {t.native_id: t.name.rstrip("0123456789").rstrip("_-") for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    used: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return used
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = names.get(int(tid), NATIVE)
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return used
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each thread name used between two :func:`thread_cpu` readings (those that used any).
+
+    A pool whose threads ended in between can read less than before: its figure is dropped rather than
+    counted as negative."""
+    return {name: after[name] - before.get(name, 0.0) for name in after if after[name] > before.get(name, 0.0)}
+
+
+def as_rows(delta: dict[str, Any], scale: float = 1e3) -> list[list[Any]]:
+    """``[name, figure * scale]`` rows, most first (milliseconds by default)."""
+    return [[name, round(value * scale)] for name, value in sorted(delta.items(), key=lambda kv: -kv[1])]
