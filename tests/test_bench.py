@@ -77,6 +77,41 @@ def test_extra_cpu_by_thread_counts_a_thread_missing_from_a_step_as_no_cpu():
     assert _extra_by_thread(inside, [{"method": "stock"}]) is None
 
 
+def test_cpu_of_threads_that_ended_during_a_step_is_the_process_total_minus_the_threads_listed():
+    from async_ckpt.bench.thread_cpu import ENDED, with_ended
+
+    assert with_ended({"MainThread": 1.0, "native": 0.2}, 1.5) == pytest.approx(
+        {"MainThread": 1.0, "native": 0.2, ENDED: 0.3})
+    assert with_ended({"MainThread": 1.0, "native": 0.2}, 1.21) == {"MainThread": 1.0, "native": 0.2}  # rounding
+
+
+def test_a_threads_cpu_is_counted_under_its_python_name_without_the_pool_number():
+    import threading
+    import time
+
+    from async_ckpt.bench.thread_cpu import cpu_delta, thread_cpu
+
+    spun, done = threading.Event(), threading.Event()
+
+    def spin():
+        end = time.thread_time() + 0.1
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        done.wait()
+
+    worker = threading.Thread(target=spin, name="probe_3")
+    before = thread_cpu()
+    worker.start()
+    try:
+        assert spun.wait(10)
+        used = cpu_delta(before, thread_cpu())
+    finally:
+        done.set()
+        worker.join()
+    assert used["probe"] >= 0.05 and "probe_3" not in used
+
+
 def test_the_step_after_a_save_is_measured_against_the_steps_just_before_it_not_the_runs_median():
     from async_ckpt.bench.report import next_step_over_before
 

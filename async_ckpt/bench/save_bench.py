@@ -70,7 +70,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
 
     from async_ckpt import workload
     from async_ckpt.bench import floors
-    from async_ckpt.bench.thread_cpu import cpu_delta, thread_cpu
+    from async_ckpt.bench.thread_cpu import cpu_delta, thread_cpu, with_ended
 
     rank = dist.get_rank()
     proc = psutil.Process()
@@ -93,10 +93,10 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         workload.train(engine, 1, tokens, rank)
         end = time.time()
         after, threads_after = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
-        steps.append({"method": method, "start": started, "end": end,
-                      "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+        cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        steps.append({"method": method, "start": started, "end": end, "cpu_s": cpu_s,
                       "page_faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt,
-                      "threads_cpu_s": cpu_delta(threads_before, threads_after)})
+                      "threads_cpu_s": with_ended(cpu_delta(threads_before, threads_after), cpu_s)})
         peak_rss = max(peak_rss, proc.memory_info().rss)
 
     step("warmup")

@@ -14,6 +14,10 @@ from typing import Any
 #: The name of threads that Python did not start.
 NATIVE = "native"
 
+#: The CPU time of threads that ended in between two readings (``/proc`` no longer lists them: pools
+#: started and shut down per file, such as the CRC-32 threads): the process's total minus the rest.
+ENDED = "ended threads"
+
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds each thread of this process has used so far, by Python thread name (numbers of
@@ -43,6 +47,13 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     A pool whose threads ended in between can read less than before: its figure is dropped rather than
     counted as negative."""
     return {name: after[name] - before.get(name, 0.0) for name in after if after[name] > before.get(name, 0.0)}
+
+
+def with_ended(delta: dict[str, float], process_cpu_s: float) -> dict[str, float]:
+    """``delta`` plus, under :data:`ENDED`, what the process used (``process_cpu_s``, from ``getrusage``)
+    beyond the threads still listed, where that is more than the ticks' rounding (10 ms per thread)."""
+    rest = process_cpu_s - sum(delta.values())
+    return {**delta, ENDED: rest} if rest > 0.01 * (len(delta) + 1) else dict(delta)
 
 
 def as_rows(delta: dict[str, Any], scale: float = 1e3) -> list[list[Any]]:
