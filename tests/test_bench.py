@@ -271,14 +271,22 @@ def test_bench_writer_process_prototype_writes_the_same_bytes_as_the_writer_thre
 
 @pytest.fixture(scope="module")
 def pieces_ab(tmp_path_factory):
-    """One --quick run of the defaults and the 128 MiB piece A/B, at micro-batch 3."""
-    return _quick_bench(tmp_path_factory.mktemp("pieces_ab"), "--micro-batch", "3",
+    """One --quick run of the defaults and the 128 MiB piece A/B, at micro-batch 3 and 3 threads per rank."""
+    return _quick_bench(tmp_path_factory.mktemp("pieces_ab"), "--micro-batch", "3", "--threads-per-rank", "3",
                         "--methods", "async_ckpt,async_ckpt_pieces128")
 
 
 def test_bench_micro_batch_option_sets_every_ranks_micro_batch(pieces_ab):
     assert pieces_ab["config"]["micro_batch"] == 3
     assert [rank["micro_batch"] for rank in pieces_ab["ranks"]] == [3, 3]
+
+
+def test_bench_ranks_share_the_cpus_by_default_as_deepspeeds_launcher_binds_them(pieces_ab, bench):
+    import os
+
+    _, report = bench
+    assert [rank["threads"] for rank in report["ranks"]] == [max(1, os.cpu_count() // 2)] * 2
+    assert [rank["threads"] for rank in pieces_ab["ranks"]] == [3, 3]  # --threads-per-rank 3
 
 
 def test_bench_piece_size_ab_saves_the_same_bytes_as_the_defaults(pieces_ab):

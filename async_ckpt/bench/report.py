@@ -132,6 +132,15 @@ def _extra_by_thread(inside: list[dict], outside: list[dict]) -> dict[str, float
             for name in sorted(names)}
 
 
+def _threads(ranks: list[dict]) -> str:
+    """" (N PyTorch threads each)" where the ranks recorded it (runs before it was recorded did not)."""
+    threads = {r["threads"] for r in ranks if "threads" in r}
+    if len(threads) != 1:
+        return ""
+    n = threads.pop()
+    return f" ({n} PyTorch thread{'' if n == 1 else 's'} each)"
+
+
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
@@ -141,7 +150,8 @@ def table(report: dict) -> str:
     cfg = report["config"]
     floor = s["floor"]
     lines = [
-        f"## Save benchmark: ZeRO-{cfg['stage']} {cfg['dtype']}, {cfg['ranks']} ranks, "
+        f"## Save benchmark: ZeRO-{cfg['stage']} {cfg['dtype']}, {cfg['ranks']} ranks"
+        f"{_threads(report['ranks'])}, "
         f"workload {cfg.get('workload', 'gpt')} '{cfg['size']}'"
         f"{'' if cfg.get('micro_batch') is None else ' at micro-batch ' + str(cfg['micro_batch'])}, "
         f"target {report['target']['kind']}, {cfg['saves']} saves x {cfg['steps_between']} steps",

@@ -47,6 +47,9 @@ class BenchConfig:
     workdir: str | None = None
     workload: str = "gpt"  # "mlp": async_ckpt.workload.make_mlp_engine, sized by `size` in MLP_SIZES
     micro_batch: int | None = None  # None: the workload's (2 for gpt, the size's for mlp)
+    # PyTorch threads per rank. None: the machine's CPUs divided among the ranks, as DeepSpeed's launcher
+    # with --bind_cores_to_rank sets them (torchrun: 1); 0: PyTorch's default, every CPU in every rank.
+    threads_per_rank: int | None = None
 
     @classmethod
     def quick(cls, **overrides: Any) -> "BenchConfig":
@@ -66,6 +69,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     """Runs on every rank: train, and save with each method in turn; returns raw figures."""
     _quiet()
     import psutil
+    import torch
     import torch.distributed as dist
 
     from async_ckpt import workload
@@ -74,6 +78,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
 
     rank = dist.get_rank()
     proc = psutil.Process()
+    if cfg["threads_per_rank"] != 0:
+        torch.set_num_threads(cfg["threads_per_rank"] or max(1, (os.cpu_count() or 1) // cfg["ranks"]))
     if cfg["workload"] == "mlp":
         engine = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"])
         tokens = None  # the MLP trains on random inputs
@@ -144,7 +150,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     if target["kind"] == "s3":
         floor["s3_upload_s"] = floors.s3_upload_floor_s(nbytes, target["url"], target["storage_options"])
     return {"rank": rank, "methods": results, "floor": floor, "steps": steps, "peak_rss": peak_rss,
-            "micro_batch": engine.train_micro_batch_size_per_gpu()}
+            "micro_batch": engine.train_micro_batch_size_per_gpu(), "threads": torch.get_num_threads()}
 
 
 def _machine() -> dict:
@@ -190,6 +196,9 @@ def run(cfg: BenchConfig) -> dict:
     sizes = MLP_SIZES if cfg.workload == "mlp" else SIZES
     if cfg.size not in sizes:
         raise SystemExit(f"--workload {cfg.workload} has no size {cfg.size!r}; choose from {list(sizes)}")
+    if cfg.threads_per_rank is not None and (isinstance(cfg.threads_per_rank, bool)
+                                             or not isinstance(cfg.threads_per_rank, int) or cfg.threads_per_rank < 0):
+        raise SystemExit(f"--threads-per-rank must be 0 (PyTorch's default) or more, got {cfg.threads_per_rank!r}")
     if cfg.micro_batch is not None and (isinstance(cfg.micro_batch, bool) or not isinstance(cfg.micro_batch, int)
                                         or cfg.micro_batch < 1):
         raise SystemExit(f"--micro-batch must be a positive integer, got {cfg.micro_batch!r}")
@@ -241,6 +250,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="micro-batch per rank (default: 2 for gpt, the size's for mlp); on a GPU the gpt "
                              "default leaves steps bound by kernel launches, a larger one makes them GPU-bound")
+    parser.add_argument("--threads-per-rank", type=int, default=None,
+                        help="PyTorch threads per rank (default: the CPUs divided among the ranks, as DeepSpeed's "
+                             "launcher with --bind_cores_to_rank sets them; 0: PyTorch's default, every CPU in "
+                             "every rank, which oversubscribes a CPU machine)")
     parser.add_argument("--saves", type=int, default=None, help="saves per method")
     parser.add_argument("--steps-between", type=int, default=None)
     parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
@@ -272,7 +285,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                           "target": "s3" if args.url and args.target != "tiered" else args.target,
                           "url": args.url, "endpoint": args.endpoint,
                           "methods": [m for m in args.methods.split(",") if m], "out": args.out,
-                          "workdir": args.workdir, "workload": args.workload, "micro_batch": args.micro_batch})
+                          "workdir": args.workdir, "workload": args.workload, "micro_batch": args.micro_batch,
+                          "threads_per_rank": args.threads_per_rank})
 
 
 def main(argv: list[str] | None = None) -> int:
