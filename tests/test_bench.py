@@ -281,12 +281,9 @@ def test_bench_micro_batch_option_sets_every_ranks_micro_batch(pieces_ab):
     assert [rank["micro_batch"] for rank in pieces_ab["ranks"]] == [3, 3]
 
 
-def test_bench_ranks_share_the_cpus_by_default_as_deepspeeds_launcher_binds_them(pieces_ab, bench):
-    import os
-
-    _, report = bench
-    assert [rank["threads"] for rank in report["ranks"]] == [max(1, os.cpu_count() // 2)] * 2
-    assert [rank["threads"] for rank in pieces_ab["ranks"]] == [3, 3]  # --threads-per-rank 3
+def test_bench_threads_per_rank_option_sets_every_ranks_pytorch_threads(pieces_ab):
+    assert pieces_ab["config"]["threads_per_rank"] == 3
+    assert [rank["threads"] for rank in pieces_ab["ranks"]] == [3, 3]
 
 
 def test_bench_piece_size_ab_saves_the_same_bytes_as_the_defaults(pieces_ab):

@@ -47,8 +47,8 @@ class BenchConfig:
     workdir: str | None = None
     workload: str = "gpt"  # "mlp": async_ckpt.workload.make_mlp_engine, sized by `size` in MLP_SIZES
     micro_batch: int | None = None  # None: the workload's (2 for gpt, the size's for mlp)
-    # PyTorch threads per rank. None: the machine's CPUs divided among the ranks, as DeepSpeed's launcher
-    # with --bind_cores_to_rank sets them (torchrun: 1); 0: PyTorch's default, every CPU in every rank.
+    # PyTorch threads per rank. None: PyTorch's default (every CPU in every rank, as DeepSpeed's launcher
+    # leaves it without --bind_cores_to_rank); CPUs / ranks shares them out as that option does.
     threads_per_rank: int | None = None
 
     @classmethod
@@ -78,8 +78,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
 
     rank = dist.get_rank()
     proc = psutil.Process()
-    if cfg["threads_per_rank"] != 0:
-        torch.set_num_threads(cfg["threads_per_rank"] or max(1, (os.cpu_count() or 1) // cfg["ranks"]))
+    if cfg["threads_per_rank"] is not None:
+        torch.set_num_threads(cfg["threads_per_rank"])
     if cfg["workload"] == "mlp":
         engine = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"])
         tokens = None  # the MLP trains on random inputs
@@ -197,8 +197,8 @@ def run(cfg: BenchConfig) -> dict:
     if cfg.size not in sizes:
         raise SystemExit(f"--workload {cfg.workload} has no size {cfg.size!r}; choose from {list(sizes)}")
     if cfg.threads_per_rank is not None and (isinstance(cfg.threads_per_rank, bool)
-                                             or not isinstance(cfg.threads_per_rank, int) or cfg.threads_per_rank < 0):
-        raise SystemExit(f"--threads-per-rank must be 0 (PyTorch's default) or more, got {cfg.threads_per_rank!r}")
+                                             or not isinstance(cfg.threads_per_rank, int) or cfg.threads_per_rank < 1):
+        raise SystemExit(f"--threads-per-rank must be a positive integer, got {cfg.threads_per_rank!r}")
     if cfg.micro_batch is not None and (isinstance(cfg.micro_batch, bool) or not isinstance(cfg.micro_batch, int)
                                         or cfg.micro_batch < 1):
         raise SystemExit(f"--micro-batch must be a positive integer, got {cfg.micro_batch!r}")
@@ -251,9 +251,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batch per rank (default: 2 for gpt, the size's for mlp); on a GPU the gpt "
                              "default leaves steps bound by kernel launches, a larger one makes them GPU-bound")
     parser.add_argument("--threads-per-rank", type=int, default=None,
-                        help="PyTorch threads per rank (default: the CPUs divided among the ranks, as DeepSpeed's "
-                             "launcher with --bind_cores_to_rank sets them; 0: PyTorch's default, every CPU in "
-                             "every rank, which oversubscribes a CPU machine)")
+                        help="PyTorch threads per rank (default: PyTorch's, every CPU in every rank; CPUs / ranks "
+                             "shares them out as DeepSpeed's launcher with --bind_cores_to_rank does)")
     parser.add_argument("--saves", type=int, default=None, help="saves per method")
     parser.add_argument("--steps-between", type=int, default=None)
     parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
