@@ -47,7 +47,11 @@ def build_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 
 
-def ds_config(stage: int, dtype: str = "fp32", *, micro_batch: int = 2, lr: float = 1e-3,
+#: The GPT workload's micro-batch per rank unless one is given.
+GPT_MICRO_BATCH = 2
+
+
+def ds_config(stage: int, dtype: str = "fp32", *, micro_batch: int = GPT_MICRO_BATCH, lr: float = 1e-3,
               load_universal: bool = False) -> dict[str, Any]:
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
@@ -75,13 +79,14 @@ def build_model(size: str = "tiny", vocab_size: int = 320, seed: int = 0) -> tor
 
 
 def make_engine(stage: int, dtype: str = "fp32", *, size: str = "tiny", seed: int = 0,
-                load_universal: bool = False, micro_batch: int = 2) -> Any:
+                load_universal: bool = False, micro_batch: int | None = None) -> Any:
     """``deepspeed.initialize`` on the workload model; every rank must call it. The default micro-batch
-    keeps CPU steps short; on a GPU it leaves the step bound by kernel launches, a larger one by the GPU."""
+    (:data:`GPT_MICRO_BATCH`) keeps CPU steps short; on a GPU it leaves the steps bound by kernel launches
+    and noisy, which a larger one quiets (benchmarks/RESULTS.md, "one H100")."""
     import deepspeed
 
     model = build_model(size, seed=seed)
-    config = ds_config(stage, dtype, micro_batch=micro_batch, load_universal=load_universal)
+    config = ds_config(stage, dtype, micro_batch=micro_batch or GPT_MICRO_BATCH, load_universal=load_universal)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 

@@ -289,7 +289,8 @@ def test_bench_threads_per_rank_option_sets_every_ranks_pytorch_threads(pieces_a
 def test_bench_piece_size_ab_saves_the_same_bytes_as_the_defaults(pieces_ab):
     _assert_every_save_durable(pieces_ab, ["async_ckpt", "async_ckpt_pieces128"])
     for rank in pieces_ab["ranks"]:
-        assert rank["methods"]["async_ckpt_pieces128"]["bytes_per_save"] == rank["methods"]["async_ckpt"]["bytes_per_save"]
+        ours = rank["methods"]
+        assert ours["async_ckpt_pieces128"]["bytes_per_save"] == ours["async_ckpt"]["bytes_per_save"]
 
 
 def test_writer_process_serializes_in_its_worker_and_restores_the_writer(tmp_path):
@@ -374,7 +375,8 @@ def test_step_profile_refuses_a_trace_without_its_annotations():
 def test_step_profile_profiles_the_steps_around_each_save_on_a_real_rank(tmp_path):
     from async_ckpt.bench.step_profile import main
 
-    assert main(["--size", "tiny", "--micro-batch", "3", "--saves", "1", "--before", "1", "--after", "2", "--steps-between", "0",
+    assert main(["--size", "tiny", "--micro-batch", "3", "--saves", "1", "--before", "1", "--after", "2",
+                 "--steps-between", "0",
                  "--warmup", "1", "--out", str(tmp_path)]) == 0
     windows = json.loads((tmp_path / "profile.json").read_text())["windows"]
     assert [row["kind"] for row in windows[0]["rows"]] == ["step", "save", "step", "step"]

@@ -332,9 +332,9 @@ class AsyncCkptProcess(AsyncCkpt):
 
 class AsyncCkptPieces128(AsyncCkpt):
     """A/B, run on request only: defaults, but background copies, CRC-32 tasks and lent writes in pieces
-    of 128 MiB instead of 32 MiB, a quarter of the hand-offs between threads per byte. Each hand-off
-    takes the GIL back from training; whether that is what slows a launch-bound GPU step is what this
-    measures. It sets the module constants for the rank's lifetime of the method and restores them."""
+    of 128 MiB instead of 32 MiB, a quarter of the hand-offs between threads per byte (each takes the
+    GIL back from training). It sets the module constants while the method runs and restores them.
+    Measured on an H100: no gain, the step after a save costs the same (benchmarks/RESULTS.md)."""
 
     name = "async_ckpt_pieces128"
     PIECE = 128 * 1024 * 1024

@@ -84,7 +84,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         engine = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"])
         tokens = None  # the MLP trains on random inputs
     else:
-        engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"] or 2)
+        engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"])
         tokens = workload.token_stream()
     peak_rss = proc.memory_info().rss
     steps: list[dict] = []
@@ -249,7 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"model size (--workload mlp: one of {list(MLP_SIZES)})")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="micro-batch per rank (default: 2 for gpt, the size's for mlp); on a GPU the gpt "
-                             "default leaves steps bound by kernel launches, a larger one makes them GPU-bound")
+                             "default leaves steps bound by kernel launches and noisy, a larger one quiets them")
     parser.add_argument("--threads-per-rank", type=int, default=None,
                         help="PyTorch threads per rank (default: PyTorch's, every CPU in every rank; CPUs / ranks "
                              "shares them out as DeepSpeed's launcher with --bind_cores_to_rank does)")

@@ -129,7 +129,7 @@ def profile_rank(cfg: dict, out: str) -> list[dict]:
         engine = workload.make_mlp_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"])
         tokens = None
     else:
-        engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"] or 2)
+        engine = workload.make_engine(cfg["stage"], cfg["dtype"], size=cfg["size"], micro_batch=cfg["micro_batch"])
         tokens = workload.token_stream()
     workdir = tempfile.mkdtemp(prefix="async_ckpt_profile_")
     windows = []
