@@ -196,12 +196,9 @@ def run(cfg: BenchConfig) -> dict:
     sizes = MLP_SIZES if cfg.workload == "mlp" else SIZES
     if cfg.size not in sizes:
         raise SystemExit(f"--workload {cfg.workload} has no size {cfg.size!r}; choose from {list(sizes)}")
-    if cfg.threads_per_rank is not None and (isinstance(cfg.threads_per_rank, bool)
-                                             or not isinstance(cfg.threads_per_rank, int) or cfg.threads_per_rank < 1):
-        raise SystemExit(f"--threads-per-rank must be a positive integer, got {cfg.threads_per_rank!r}")
-    if cfg.micro_batch is not None and (isinstance(cfg.micro_batch, bool) or not isinstance(cfg.micro_batch, int)
-                                        or cfg.micro_batch < 1):
-        raise SystemExit(f"--micro-batch must be a positive integer, got {cfg.micro_batch!r}")
+    for flag, value in (("--threads-per-rank", cfg.threads_per_rank), ("--micro-batch", cfg.micro_batch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SystemExit(f"{flag} must be a positive integer, got {value!r}")
     if cfg.target == "tiered":
         if cfg.workload != "gpt":
             raise SystemExit("--target tiered trains the gpt workload only")
