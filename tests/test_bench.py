@@ -160,6 +160,18 @@ def test_bench_reports_floors_and_flat_staging(bench):
         assert summary["floor"]["s3_upload_gbps"] > 0
 
 
+def test_bench_on_local_disk_also_measures_the_write_floor_while_training(bench):
+    _, report = bench
+    floor, ours = report["summary"]["floor"], report["summary"]["methods"]["async_ckpt"]
+    if report["target"]["kind"] == "s3":  # S3's floor is the upload's: no local write to compare with
+        assert floor["local_write_while_training_gbps"] is None and ours["persist_vs_floor_while_training"] is None
+        return
+    assert all(r["floor"]["local_write_while_training_s"] > 0 for r in report["ranks"])
+    assert floor["local_write_while_training_gbps"] > 0
+    assert ours["persist_vs_floor_while_training"] == pytest.approx(
+        ours["persist_gbps"] / floor["local_write_while_training_gbps"])
+
+
 def test_bench_writes_the_timeline_png(bench):
     out, _ = bench
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

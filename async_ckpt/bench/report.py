@@ -42,6 +42,8 @@ def summarize(report: dict) -> dict:
     local_floor_gbps = floor_bytes / max(r["floor"]["local_write_s"] for r in ranks) / GB
     s3_floor_gbps = (floor_bytes / max(r["floor"]["s3_upload_s"] for r in ranks) / GB
                      if "s3_upload_s" in ranks[0]["floor"] else None)
+    busy_floor_gbps = (floor_bytes / max(r["floor"]["local_write_while_training_s"] for r in ranks) / GB
+                       if "local_write_while_training_s" in ranks[0]["floor"] else None)
     persist_floor = s3_floor_gbps if report["target"]["kind"] == "s3" else local_floor_gbps
     rank0_steps = [s for s in ranks[0]["steps"] if s["method"] != "warmup"]
     windows: dict[str, list[tuple[float, float]]] = {}
@@ -73,6 +75,7 @@ def summarize(report: dict) -> dict:
             "first_stall_s": per_save_stall[0] if per_save_stall else None,
             "first_vs_steady_stall": per_save_stall[0] / steady if steady else None,
             "persist_vs_floor": gbps / persist_floor if gbps and persist_floor else None,
+            "persist_vs_floor_while_training": gbps / busy_floor_gbps if gbps and busy_floor_gbps else None,
             "stall_vs_copy_floor": stall / copy_floor_s if stall is not None else None,
             "note": first.get("note", ""),
         }
@@ -115,7 +118,8 @@ def summarize(report: dict) -> dict:
             lost = methods[name].get("training_time_lost_per_save_s")
             methods[name]["lost_vs_stock"] = lost / stock_stall if lost is not None else None
     return {"floor": {"bytes": floor_bytes, "copy_s": copy_floor_s, "copy_gbps": floor_bytes / len(ranks) / copy_floor_s / GB,
-                      "local_write_gbps": local_floor_gbps, "s3_upload_gbps": s3_floor_gbps},
+                      "local_write_gbps": local_floor_gbps, "local_write_while_training_gbps": busy_floor_gbps,
+                      "s3_upload_gbps": s3_floor_gbps},
             "median_step_s_outside_saves": _median(outside), "peak_rss_bytes": max(r["peak_rss"] for r in ranks),
             "methods": methods}
 
@@ -158,22 +162,25 @@ def table(report: dict) -> str:
         "",
         f"checkpoint {floor['bytes'] / GB:.3f} GB per save (all ranks); floors: copy {floor['copy_s'] * 1000:.1f} ms "
         f"({floor['copy_gbps']:.1f} GB/s per rank), local write+fsync {floor['local_write_gbps']:.2f} GB/s"
+        + (f" ({floor['local_write_while_training_gbps']:.2f} GB/s while training)"
+           if floor.get("local_write_while_training_gbps") else "")
         + (f", boto3 TransferManager {floor['s3_upload_gbps']:.3f} GB/s" if floor["s3_upload_gbps"] else "")
         + f"; median step outside saves {_fmt(s['median_step_s_outside_saves'], '.3f', ' s')}",
         "",
         "| method | stall / save | vs copy floor | stall reduction vs stock | time to durable | persist GB/s | vs floor "
-        "| slowdown while persisting | step after a save vs the 10 before | training time lost / save "
+        "| vs floor while training | slowdown while persisting | step after a save vs the 10 before | training time lost / save "
         "| lost vs stock | first-save stall | first / steady stall | GB / save |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in s["methods"].items():
         if "skipped" in m:
-            lines.append(f"| {name} | not run: {m['skipped'][:120]} |" + "  |" * 12)
+            lines.append(f"| {name} | not run: {m['skipped'][:120]} |" + "  |" * 13)
             continue
         lines.append(
             f"| {name} | {_fmt(m['stall_s'], '.3f', ' s')} | {_fmt(m['stall_vs_copy_floor'], '.2f', 'x')} "
             f"| {_fmt(m.get('stall_reduction_vs_stock'), '.1f', 'x')} | {_fmt(m['durable_s'], '.2f', ' s')} "
             f"| {_fmt(m['persist_gbps'], '.3f')} | {_fmt(m['persist_vs_floor'], '.0%')} "
+            f"| {_fmt(m.get('persist_vs_floor_while_training'), '.0%')} "
             f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')} "
             f"| {_fmt(m.get('next_step_over_before_s'), '+.3f', ' s')} "
             f"| {_fmt(m.get('training_time_lost_per_save_s', m['stall_s']), '.3f', ' s')} "

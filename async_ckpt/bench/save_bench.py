@@ -147,6 +147,10 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     nbytes = ours or 64 * 1024 * 1024
     floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes, engine.device),
              "local_write_s": floors.local_write_floor_s(nbytes, os.path.join(target["local_dir"], "floor"))}
+    if target["kind"] == "local":
+        floor["local_write_while_training_s"] = floors.local_write_floor_while_training_s(
+            nbytes, os.path.join(target["local_dir"], "floor"), lambda: workload.train(engine, 1, tokens, rank),
+            engine.device)
     if target["kind"] == "s3":
         floor["s3_upload_s"] = floors.s3_upload_floor_s(nbytes, target["url"], target["storage_options"])
     return {"rank": rank, "methods": results, "floor": floor, "steps": steps, "peak_rss": peak_rss,
