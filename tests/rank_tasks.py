@@ -707,3 +707,35 @@ def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3
                     "staged": staged, "zero_copy_bytes": handle.metrics["zero_copy_bytes"],
                     "losses": losses, "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
     return out
+
+
+def floor_write_while_training(folder: str, *, file_size_limit_on_rank: int | None = None) -> dict:
+    """The bench's write floor written while this rank trains (each step: one collective and a short
+    sleep): whether the floor's write was running at each step, and its seconds. With
+    ``file_size_limit_on_rank``, that rank's files may grow to 1 MiB only (RLIMIT_FSIZE), so its write
+    fails part way with the OS's own EFBIG, as a full disk fails one."""
+    import resource
+    import signal
+    import threading
+
+    from async_ckpt.bench import floors
+
+    seen: list[bool] = []
+
+    def step() -> None:
+        seen.append(any(t.name == "floor-write" for t in threading.enumerate()))
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.02)
+
+    limited = file_size_limit_on_rank == _rank()
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.getsignal(signal.SIGXFSZ)
+    if limited:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write() instead of the signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limit[1]))
+    try:
+        seconds = floors._timed_write_s(32 << 20, folder, direct=False, training=(step, torch.device("cpu")))
+    finally:
+        if limited:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            signal.signal(signal.SIGXFSZ, handler)
+    return {"seconds": seconds, "steps": seen}

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import rank_tasks
+import torch.distributed as dist
 
 from async_ckpt.bench.methods import METHODS, ON_REQUEST
 from async_ckpt.bench.save_bench import DEFAULT_METHODS, BenchConfig, run
+from async_ckpt.launch import RankError
 
 METRICS = {"stall_s", "durable_s", "persist_gbps", "persist_vs_floor", "stall_vs_copy_floor", "bytes_per_save",
            "slowdown_while_persisting", "next_step_over_before_s"}
@@ -170,6 +174,22 @@ def test_bench_on_local_disk_also_measures_the_write_floor_while_training(bench)
     assert floor["local_write_while_training_gbps"] > 0
     assert ours["persist_vs_floor_while_training"] == pytest.approx(
         ours["persist_gbps"] / floor["local_write_while_training_gbps"])
+
+
+def test_the_floor_while_training_trains_as_many_steps_on_every_rank_while_the_write_runs(ranks, tmp_path):
+    first, second = ranks.run(rank_tasks.floor_write_while_training, str(tmp_path))
+    assert first["steps"] and len(first["steps"]) == len(second["steps"])  # collective steps, as many on each
+    assert first["steps"][0] and second["steps"][0]  # the write ran beside the first step
+    assert 0 < first["seconds"] < float("inf") and 0 < second["seconds"] < float("inf")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_floor_write_failing_on_one_rank_raises_there_without_leaving_the_other_waiting(ranks, tmp_path):
+    with pytest.raises(RankError, match="File too large") as failed:
+        ranks.run(rank_tasks.floor_write_while_training, str(tmp_path), file_size_limit_on_rank=1, timeout_s=120)
+    assert failed.value.partial[0]["steps"]  # rank 0 finished its own write and returned
+    assert os.listdir(tmp_path) == []  # rank 1's part-written file removed too
+    assert ranks.run(dist.get_world_size) == [2, 2]  # and the group still answers
 
 
 def test_bench_writes_the_timeline_png(bench):

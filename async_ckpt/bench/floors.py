@@ -59,41 +59,48 @@ def local_write_floor_while_training_s(nbytes: int, folder: str, train_step: Cal
 def _timed_write_s(nbytes: int, folder: str, *, direct: bool,
                    training: tuple[Callable[[], None], torch.device] | None = None) -> float:
     """Every rank writes at once; with ``training`` (a training step and the device of the process
-    group's tensors), on a thread while every rank trains until no rank's write is still running (the
-    ranks agree after each step, as their steps are collective)."""
+    group's tensors), on a thread while every rank trains (:func:`_write_while_training_s`)."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"floor-{uuid.uuid4().hex}.bin")
     block = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
     block.write(bytes(bytearray(os.urandom(1024)) * (CHUNK // 1024)))
     dist.barrier()
-    if training is None:
-        elapsed = _write_s(path, nbytes, block, direct)
-    else:
-        outcome: list[float | BaseException] = []
+    try:
+        if training is None:
+            return _write_s(path, nbytes, block, direct)
+        return _write_while_training_s(path, nbytes, block, direct, *training)
+    finally:  # a rank whose write failed still meets the others here, then raises
+        dist.barrier()
+        if os.path.exists(path):
+            os.unlink(path)
+        block.close()
 
-        def write() -> None:
-            try:
-                outcome.append(_write_s(path, nbytes, block, direct))
-            except BaseException as exc:  # noqa: BLE001 - raised on the training thread below
-                outcome.append(exc)
 
-        writer = threading.Thread(target=write, name="floor-write")
-        writer.start()
-        train_step, device = training
+def _write_while_training_s(path: str, nbytes: int, block: mmap.mmap, direct: bool,
+                            train_step: Callable[[], None], device: torch.device) -> float:
+    """:func:`_write_s` on a thread while this rank trains, until no rank's write is still running: the
+    ranks agree on that after each step, as their steps are collective and must be as many on each."""
+    outcome: list[float | BaseException] = []
+
+    def write() -> None:
+        try:
+            outcome.append(_write_s(path, nbytes, block, direct))
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread below
+            outcome.append(exc)
+
+    writer = threading.Thread(target=write, name="floor-write")
+    writer.start()
+    try:
         running = torch.ones(1, device=device)
         while running.item():
             train_step()
             running.fill_(float(writer.is_alive()))
             dist.all_reduce(running, op=dist.ReduceOp.MAX)
+    finally:
         writer.join()
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        elapsed = outcome[0]
-    dist.barrier()
-    if os.path.exists(path):
-        os.unlink(path)
-    block.close()
-    return elapsed
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _write_s(path: str, nbytes: int, block: mmap.mmap, direct: bool) -> float:
