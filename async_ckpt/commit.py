@@ -54,12 +54,16 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
             node_manifest = Manifest.from_json(outcome.manifest).one_copy_each(job.node_ranks)
             outcome.warnings.extend(_commit_node_tier(job, node_manifest.to_json()))
         return outcome
+    metrics, waiting = job.handle.metrics, time.perf_counter()
     try:
         entries = job.handshake.gather(timeout_s)
     except HandshakeFailed as exc:
         return _publish(job, _abort(job, f"tag {job.tag!r} failed on {exc}"))
+    extras = time.perf_counter()
+    metrics["ranks_wait_s"] = extras - waiting
     try:
         entries += _write_extras(job)
+        metrics["extras_s"] = time.perf_counter() - extras
     except Exception as exc:
         return _publish(job, _abort(job, f"rank 0 could not write the tokenizer or DeepSpeed's recovery scripts: "
                                          f"{type(exc).__name__}: {exc}"))
@@ -76,9 +80,12 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
             return _publish(job, Outcome(False, f"tag {job.tag!r}: rank 0 could not write the manifest: "
                                                 f"{type(exc).__name__}: {exc}. The tag's files stay for "
                                                 "`async-ckpt gc`"))
-    job.handle.metrics["commit_s"] = time.perf_counter() - started
-    return _publish(job, Outcome(True, warnings=_after_commit(job, manifest),
-                                 manifest=everything.to_json().decode() if job.tiered else None))
+    metrics["commit_s"] = time.perf_counter() - started
+    after = time.perf_counter()
+    outcome = Outcome(True, warnings=_after_commit(job, manifest),
+                      manifest=everything.to_json().decode() if job.tiered else None)
+    metrics["after_commit_s"] = time.perf_counter() - after
+    return _publish(job, outcome)
 
 
 def _commit_node_tier(job: SaveJob, manifest: bytes) -> list[str]:

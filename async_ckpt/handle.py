@@ -43,8 +43,11 @@ class SaveHandle:
     optimizer step for the copy), then ``persist_s``, ``copy_wait_s`` (of it, the writer waiting
     for overlapped copies), ``bytes_written``, ``zero_copy_bytes`` (bytes written straight from
     the staging memory), ``upload_buffer_peak_bytes`` (object stores: the most part memory the
-    uploader has held so far, bounded by ``(max_concurrency + 1) * part_size``), ``commit_s`` and
-    ``durable_s`` (seconds from ``save()`` to the commit); with a local tier ``local_committed_s``
+    uploader has held so far, bounded by ``(max_concurrency + 1) * part_size``), ``queued_s`` (from
+    the end of ``save()`` until the writer thread began it), on rank 0 the commit's steps
+    ``ranks_wait_s`` (waiting for the other ranks' files), ``extras_s`` (tokenizer, config and
+    DeepSpeed's recovery scripts), ``commit_s`` (the manifest) and ``after_commit_s`` (``latest``
+    and retention), and ``durable_s`` (seconds from ``save()`` to the commit); with a local tier ``local_committed_s``
     and ``durable_s`` (seconds from ``save()`` to each commit), ``drain_s`` and ``tier``
     (``"local"``, or ``"durable"`` when the save went straight to the URL).
     """

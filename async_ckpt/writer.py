@@ -123,6 +123,7 @@ class BackgroundWriter:
         current = "the staging copies"
         try:
             started = time.perf_counter()
+            metrics["queued_s"] = started - job.started - metrics.get("stall_s", 0.0)
             lent = copied = 0
             copy_wait = _CopyWait(job)
             scratch_dir = self._scratch_dir(job)

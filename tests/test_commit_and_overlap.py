@@ -84,6 +84,15 @@ def test_durable_time_counts_from_the_save_call_through_the_stall_the_write_and_
         assert metrics["durable_s"] >= metrics["stall_s"] + metrics["persist_s"] + metrics.get("commit_s", 0.0)
 
 
+def test_durable_time_is_told_apart_into_the_stall_the_queue_the_write_and_rank_0s_commit_steps(ranks, tmp_path):
+    rank0, rank1 = (out["seen"][0]["metrics"] for out in ranks.run(rank_tasks.save_done_callback, str(tmp_path)))
+    commit_steps = ("ranks_wait_s", "extras_s", "commit_s", "after_commit_s")  # rank 0's alone
+    assert all(rank0[k] >= 0 for k in commit_steps) and not set(commit_steps) & set(rank1)
+    for metrics in (rank0, rank1):
+        parts = ("stall_s", "queued_s", "persist_s", *commit_steps)
+        assert 0 <= metrics["queued_s"] and sum(metrics.get(k, 0.0) for k in parts) <= metrics["durable_s"]
+
+
 @pytest.fixture(scope="module")
 def second_save_during_first(ranks, tmp_path_factory):
     root = tmp_path_factory.mktemp("back-to-back")
