@@ -173,10 +173,15 @@ def _write_extras(job: SaveJob) -> list[FileEntry]:
 
 
 def _write_recovery_scripts(storage: Storage) -> None:
-    """DeepSpeed's ``zero_to_fp32.py`` (and ``zero_to_torch.py``) into the root, executable as DeepSpeed leaves them."""
+    """DeepSpeed's ``zero_to_fp32.py`` (and ``zero_to_torch.py``) into the root, executable as DeepSpeed
+    leaves them; skipped where the root already holds the same bytes (every save after the first): a
+    durable write of each costs 30-70 ms of rank 0's commit on a disk that training's saves keep busy,
+    reading them back a millisecond."""
     for script, path in installed_recovery_scripts().items():
         with open(path, "rb") as fh:
-            storage.write_bytes(script, fh.read())
+            data = fh.read()
+        if not (storage.exists(script) and storage.read_bytes(script) == data):
+            storage.write_bytes(script, data)
         local_root = storage.local_dir()
         if local_root:
             target = os.path.join(local_root, script)

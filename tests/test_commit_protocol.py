@@ -338,3 +338,31 @@ def test_a_drained_manifest_keeps_the_time_of_its_save(tmp_path):
     _drain_one_rank(local, durable, "a")
     saved, drained = read_manifest(open_storage(local), "a"), read_manifest(open_storage(durable), "a")
     assert drained.created_unix == saved.created_unix
+
+
+# ---------------------------------------------------------------- DeepSpeed's recovery scripts
+
+
+def test_recovery_scripts_already_in_the_root_are_left_as_they_are(tmp_path):
+    from async_ckpt.commit import _write_recovery_scripts
+
+    storage = open_storage(str(tmp_path))
+    _write_recovery_scripts(storage)
+    script = tmp_path / "zero_to_fp32.py"
+    os.utime(script, (1_000_000, 1_000_000))  # a write would move the modification time
+    _write_recovery_scripts(storage)
+    assert os.stat(script).st_mtime == 1_000_000 and os.access(script, os.X_OK)
+
+
+def test_recovery_scripts_missing_or_changed_in_the_root_are_written_again(tmp_path):
+    from async_ckpt.commit import _write_recovery_scripts
+    from async_ckpt.layout import installed_recovery_scripts
+
+    storage = open_storage(str(tmp_path))
+    _write_recovery_scripts(storage)
+    (tmp_path / "zero_to_fp32.py").write_text("edited\n")
+    (tmp_path / "zero_to_torch.py").unlink()
+    _write_recovery_scripts(storage)
+    for script, installed in installed_recovery_scripts().items():
+        assert (tmp_path / script).read_bytes() == open(installed, "rb").read()
+        assert os.access(tmp_path / script, os.X_OK)
