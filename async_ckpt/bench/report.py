@@ -35,15 +35,21 @@ def next_step_over_before(steps: list[dict], method: str, saves: list[dict], bef
     return _median(extras)
 
 
+def _floor_gbps(ranks: list[dict], seconds_key: str) -> float | None:
+    """Every rank's floor bytes over the slowest rank's ``seconds_key`` (they write at once), in GB/s;
+    ``None`` where the run did not measure that floor."""
+    if seconds_key not in ranks[0]["floor"]:
+        return None
+    return sum(r["floor"]["bytes"] for r in ranks) / max(r["floor"][seconds_key] for r in ranks) / GB
+
+
 def summarize(report: dict) -> dict:
     ranks = report["ranks"]
     floor_bytes = sum(r["floor"]["bytes"] for r in ranks)
     copy_floor_s = max(r["floor"]["copy_s"] for r in ranks)
-    local_floor_gbps = floor_bytes / max(r["floor"]["local_write_s"] for r in ranks) / GB
-    s3_floor_gbps = (floor_bytes / max(r["floor"]["s3_upload_s"] for r in ranks) / GB
-                     if "s3_upload_s" in ranks[0]["floor"] else None)
-    busy_floor_gbps = (floor_bytes / max(r["floor"]["local_write_while_training_s"] for r in ranks) / GB
-                       if "local_write_while_training_s" in ranks[0]["floor"] else None)
+    local_floor_gbps = _floor_gbps(ranks, "local_write_s")
+    s3_floor_gbps = _floor_gbps(ranks, "s3_upload_s")
+    busy_floor_gbps = _floor_gbps(ranks, "local_write_while_training_s")
     persist_floor = s3_floor_gbps if report["target"]["kind"] == "s3" else local_floor_gbps
     rank0_steps = [s for s in ranks[0]["steps"] if s["method"] != "warmup"]
     windows: dict[str, list[tuple[float, float]]] = {}

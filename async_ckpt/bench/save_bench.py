@@ -145,13 +145,13 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     ours = next((entry["bytes_per_save"] for name, entry in results.items()  # this rank's share of a checkpoint
                  if name.startswith("async_ckpt") and entry.get("bytes_per_save")), None)
     nbytes = ours or 64 * 1024 * 1024
+    floor_dir = os.path.join(target["local_dir"], "floor")
     floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes, engine.device),
-             "local_write_s": floors.local_write_floor_s(nbytes, os.path.join(target["local_dir"], "floor"))}
+             "local_write_s": floors.local_write_floor_s(nbytes, floor_dir)}
     if target["kind"] == "local":
         floor["local_write_while_training_s"] = floors.local_write_floor_while_training_s(
-            nbytes, os.path.join(target["local_dir"], "floor"), lambda: workload.train(engine, 1, tokens, rank),
-            engine.device)
-    if target["kind"] == "s3":
+            nbytes, floor_dir, lambda: workload.train(engine, 1, tokens, rank), engine.device)
+    elif target["kind"] == "s3":
         floor["s3_upload_s"] = floors.s3_upload_floor_s(nbytes, target["url"], target["storage_options"])
     return {"rank": rank, "methods": results, "floor": floor, "steps": steps, "peak_rss": peak_rss,
             "micro_batch": engine.train_micro_batch_size_per_gpu(), "threads": torch.get_num_threads()}
