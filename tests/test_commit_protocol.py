@@ -229,14 +229,16 @@ def test_a_peer_whose_wait_runs_out_while_rank_0_writes_the_manifest_reports_the
 
 
 def test_a_peer_that_gives_up_while_rank_0_is_stuck_committing_keeps_its_files(tmp_path):
-    handles, errors = _thread_save(str(tmp_path), 2, timeout_s=0.3, delay=_manifest_held(2.5))
+    # rank 1 gives up 2 s after its report, sees rank 0's commit decision (taken well within those 2 s
+    # even on a loaded machine), waits 2 s more, then finds no manifest: rank 0 holds it for 6 s
+    handles, errors = _thread_save(str(tmp_path), 2, timeout_s=1.0, delay=_manifest_held(6.0))
     assert handles[0].exception() is None and "stay for `async-ckpt gc`" in str(errors[1])
     assert _files(tmp_path) == ["rank0.pt", "rank1.pt"]  # the tag rank 0 committed is whole
     assert os.path.exists(tmp_path / "t" / MANIFEST)
 
 
 def test_rank_0_never_commits_a_tag_a_peer_gave_up_on(tmp_path):
-    slow = lambda rank, name, path: 1.2 if rank != 1 and name == "open_write" else 0.0  # noqa: E731
+    slow = lambda rank, name, path: 2.0 if rank != 1 and name == "open_write" else 0.0  # noqa: E731
     handles, errors = _thread_save(str(tmp_path), 3, timeout_s=0.3, delay=slow)
     assert sorted(errors) == [0, 1, 2] and "gave up" in str(errors[1])
     assert not os.path.exists(tmp_path / "t" / MANIFEST)
