@@ -1,6 +1,7 @@
 """Host memory for staging: anonymous mappings faulted in ahead of use, trimmed, and pinned for CUDA.
 
-Staging lives in anonymous mappings rather than allocator memory because a buffer must sit at an
+Staging lives in anonymous mappings (:func:`~async_ckpt.storage.base.anonymous_memory`, the one kind of
+memory every ``O_DIRECT`` write reads from) rather than allocator memory because a buffer must sit at an
 address of the staging pool's choosing (aligned like its file offset, for ``O_DIRECT`` writes with
 no copy) and the memory must be reserved long before the first save. On CUDA the same mappings are
 page-locked with ``cudaHostRegister`` instead of allocated with ``cudaHostAlloc``: the device-to-host

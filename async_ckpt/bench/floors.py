@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from async_ckpt.storage.base import anonymous_memory
+
 CHUNK = 16 * 1024 * 1024
 
 
@@ -62,7 +64,7 @@ def _timed_write_s(nbytes: int, folder: str, *, direct: bool,
     group's tensors), on a thread while every rank trains (:func:`_write_while_training_s`)."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"floor-{uuid.uuid4().hex}.bin")
-    block = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
+    block = anonymous_memory(CHUNK)  # async_ckpt's own buffers: page-aligned, on huge pages where the kernel has them
     block.write(bytes(bytearray(os.urandom(1024)) * (CHUNK // 1024)))
     dist.barrier()
     try:

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import fsspec
 
-from async_ckpt.storage.base import LEND_MIN, buffer_address as _address
+from async_ckpt.storage.base import LEND_MIN, anonymous_memory, buffer_address as _address
 from async_ckpt.storage.fsspec_store import FsspecStorage
 
 
@@ -100,7 +100,7 @@ class DirectWriter:
         self._io_threads = io_threads
         self._align = dio_alignment(fd) if alignment is None else alignment
         self._capacity = buffer_bytes
-        self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(2)]
+        self._buffers = [anonymous_memory(buffer_bytes) for _ in range(2)]
         self._views = [memoryview(b) for b in self._buffers]
         self._buffer_writes: list[Future[None] | None] = [None, None]
         self._current = 0
@@ -176,7 +176,7 @@ class DirectWriter:
             if not aligned and self._scratch is None:  # aligned memory for the I/O threads' copies
                 self._scratch = queue.Queue()
                 for _ in range(self._io_threads):
-                    self._scratch.put(mmap.mmap(-1, _CHUNK))
+                    self._scratch.put(anonymous_memory(_CHUNK))
             for offset in range(0, body, _CHUNK):
                 chunk = middle[offset:offset + _CHUNK]
                 if aligned:
