@@ -5,51 +5,59 @@
 #      launch-bound (step_profile; ZeRO-3 fp32, then ZeRO-2 bf16);
 #   3. one save benchmark against stock DeepSpeed at that micro-batch (ZeRO-3 fp32).
 # Each step has its own time limit and the next one runs whatever the last one did, so one failure
-# or hang does not cost the others; the exit status is that of the first step that failed.
+# or hang does not cost the others; each step's exit status and seconds go to OUT/status.txt, and the
+# script's exit status is that of the first step that failed.
 #
 # Usage: benchmarks/gpu_checks.sh OUT [WHEELS]
-#   OUT     results folder (created): each step's JSON/markdown, plus log.txt with everything printed
+#   OUT     results folder (created): each step's JSON/markdown, status.txt, and log.txt with everything printed
 #   WHEELS  optional folder of wheels, for a machine that cannot reach a package index: whatever of
 #           async_ckpt's dependencies the machine lacks (not torch), built for its Python. They go to a
 #           scratch site folder (--no-index --no-deps); async_ckpt itself runs from this checkout.
 set -uo pipefail
-out=${1:?usage: benchmarks/gpu_checks.sh OUT [WHEELS]}
-wheels=${2:-}
+[ $# -ge 1 ] || { echo "usage: benchmarks/gpu_checks.sh OUT [WHEELS]"; exit 2; }
+out=$(realpath -m "$1")
+wheels=${2:+$(realpath -m "$2")}
 micro_batch=${MICRO_BATCH:-128}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-exec > >(tee -a "$out/log.txt") 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-if [ -n "$wheels" ]; then
-    site=$(mktemp -d)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl \
-        || { echo "could not install the wheels of $wheels"; exit 1; }
-    export PYTHONPATH="$PYTHONPATH:$site"
-fi
-python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__,
-                                          "gpu", torch.cuda.get_device_name(0))' || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-
-status=0
-step() {  # step SECONDS NAME COMMAND...: run one check under a time limit, keep the first failure
+step() {  # step SECONDS NAME COMMAND...: one check under a time limit; its exit status goes to status.txt
     local limit=$1 name=$2 started rc
     shift 2
     echo "== $name (limit ${limit} s): $*"
     started=$SECONDS
-    timeout --kill-after=10 "$limit" "$@"
+    timeout --kill-after=5 "$limit" "$@"
     rc=$?
     echo "== $name: exit $rc after $((SECONDS - started)) s"
+    echo "$name $rc $((SECONDS - started))" >> "$out/status.txt"
     [ "$status" -ne 0 ] || status=$rc
 }
 
-step 150 cuda_tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-step 120 profile_zero3_fp32 python3 -m async_ckpt.bench.step_profile --device cuda --stage 3 --dtype fp32 \
-    --size large --micro-batch "$micro_batch" --saves 2 --before 3 --after 6 --warmup 20 --steps-between 10 \
-    --out "$out/profile_zero3_fp32"
-step 120 profile_zero2_bf16 python3 -m async_ckpt.bench.step_profile --device cuda --stage 2 --dtype bf16 \
-    --size large --micro-batch "$micro_batch" --saves 2 --before 3 --after 6 --warmup 20 --steps-between 10 \
-    --out "$out/profile_zero2_bf16"
-step 240 bench_zero3_fp32 python3 -m async_ckpt bench --device cuda --size large --micro-batch "$micro_batch" \
-    --saves 3 --steps-between 20 --methods stock,async_ckpt --out "$out/bench_zero3_fp32"
-exit "$status"
+checks() {
+    export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    if [ -n "$wheels" ]; then
+        local site
+        site=$(mktemp -d)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl \
+            || { echo "could not install the wheels of $wheels"; return 1; }
+        export PYTHONPATH="$PYTHONPATH:$site"
+    fi
+    python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__,
+                                              "gpu", torch.cuda.get_device_name(0))' || return 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    status=0
+    # the limits add up to 510 s (+5 s each to kill): one call of a machine lent for 600 s at most
+    step 120 cuda_tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    step 90 profile_zero3_fp32 python3 -m async_ckpt.bench.step_profile --device cuda --stage 3 --dtype fp32 \
+        --size large --micro-batch "$micro_batch" --saves 2 --before 3 --after 6 --warmup 20 --steps-between 10 \
+        --out "$out/profile_zero3_fp32"
+    step 90 profile_zero2_bf16 python3 -m async_ckpt.bench.step_profile --device cuda --stage 2 --dtype bf16 \
+        --size large --micro-batch "$micro_batch" --saves 2 --before 3 --after 6 --warmup 20 --steps-between 10 \
+        --out "$out/profile_zero2_bf16"
+    step 210 bench_zero3_fp32 python3 -m async_ckpt bench --device cuda --size large --micro-batch "$micro_batch" \
+        --saves 3 --steps-between 20 --methods stock,async_ckpt --out "$out/bench_zero3_fp32"
+    return "$status"
+}
+
+checks 2>&1 | tee -a "$out/log.txt"
+exit "${PIPESTATUS[0]}"
