@@ -52,22 +52,23 @@ _release_buffer.restype = None
 
 def anonymous_memory(length: int) -> mmap.mmap:
     """A new anonymous mapping of ``length`` bytes for staging and ``O_DIRECT`` writes: page-aligned, as
-    ``O_DIRECT`` needs; private, zeroed in forked children, on transparent huge pages where the kernel has them.
+    ``O_DIRECT`` needs; private, zeroed in forked children, on transparent huge pages where the kernel has
+    them.
 
-    Private, not shared (Python's default): shared anonymous memory is shmem, which ``MADV_DONTNEED``
-    does not give back to the system (trimming the staging reserve freed nothing) and which gets no
-    huge pages unless shmem's own setting allows them (off by default). A private mapping is copy-on-write shared
-    with a forked child (a DataLoader worker): the next copy into it would then copy every page, and the
-    child would hold the old pages for its whole life; so a child gets zeros here instead
-    (``MADV_WIPEONFORK``, Linux 4.14+), and shares no page with this process. (A range pinned for CUDA
-    is left out of a child altogether: :func:`~async_ckpt.host_memory.register`.)
+    Private, not shared (Python's default): shared anonymous memory is shmem, which ``MADV_DONTNEED`` does
+    not give back to the system (trimming the staging reserve freed nothing) and which gets no huge pages
+    unless shmem's own setting allows them (off by default). A private mapping is copy-on-write shared with
+    a forked child (a DataLoader worker): the next copy into it would then copy every page, and the child
+    would hold the old pages for its whole life; so a child gets zeros here instead (``MADV_WIPEONFORK``,
+    Linux 4.14+), and shares no page with this process. (A range pinned for CUDA is left out of a child
+    altogether: :func:`~async_ckpt.host_memory.register`.)
 
     Huge pages: from 4 KiB pages every page is a segment of its own in a block request, and a virtio disk
     takes at most 254 segments a request (about 1 MiB); from 2 MiB pages a request carries up to the
     device's largest, so the same bytes take a fraction of the requests, each of which costs CPU to submit
     and complete, the hypervisor's included. On the development VM, 1 GiB written from huge pages went
-    1.2-1.7x faster, and the CPU time the hypervisor took from the busy guest for it (steal) was
-    0.5-0.7x (benchmarks/RESULTS.md, "Huge pages"). Where the kernel refuses a piece of advice the mapping works
+    1.2-1.7x faster, and the CPU time the hypervisor took from the busy guest for it (steal) was 0.5-0.7x
+    (benchmarks/RESULTS.md, "Huge pages"). Where the kernel refuses a piece of advice the mapping works
     without it."""
     mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = [_MADV_WIPEONFORK] + ([mmap.MADV_HUGEPAGE] if length >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
