@@ -171,7 +171,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    _require_extra("bench", ("transformers", "tokenizers", "psutil", "matplotlib", "boto3", "moto"))
+    s3_modules = ("boto3", "moto") if args.target != "local" else ()  # the S3 floor and the embedded server
+    _require_extra("bench", ("transformers", "tokenizers", "psutil", "matplotlib", *s3_modules))
     from async_ckpt.bench.save_bench import config_from_args, run
 
     run(config_from_args(args))
