@@ -14,6 +14,7 @@ from async_ckpt.bench.save_bench import DEFAULT_METHODS, BenchConfig, run
 from async_ckpt.launch import RankError
 
 METRICS = {"stall_s", "durable_s", "persist_gbps", "persist_vs_floor", "stall_vs_copy_floor", "bytes_per_save",
+           "lost_incl_writeback_per_save_s", "writeback_s", "written_back",
            "slowdown_while_persisting", "next_step_over_before_s"}
 
 
@@ -428,3 +429,13 @@ def test_fault_cost_times_first_touch_and_rewrite_as_held_memory_grows_then_rele
         assert result["rows"][-1]["released"] is True
         assert all(t["first_s"] > 0 and t["again_s"] > 0 for row in result["rows"] for t in row["touches"]), folder
     assert list(tmp_path.iterdir()) == []  # the held files and their folder are gone
+
+
+def test_bench_records_the_systems_dirty_bytes_after_each_step_and_around_each_save(bench):
+    _, report = bench
+    for rank in report["ranks"]:
+        assert all(isinstance(step["dirty_bytes"], int) for step in rank["steps"])
+        for name, method in rank["methods"].items():
+            if "skipped" not in method:
+                assert all(isinstance(save[key], int) for save in method["saves"] for key in ("dirty_before", "dirty_after"))
+                assert isinstance(method["written_back"], bool), name

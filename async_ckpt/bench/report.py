@@ -7,6 +7,8 @@ import os
 import statistics
 from typing import Any
 
+from async_ckpt.bench import writeback
+
 GB = 1e9
 
 
@@ -95,8 +97,15 @@ def summarize(report: dict) -> dict:
         if name == "stock":
             stock_stall = stall
         methods[name] = entry
-    outside_steps = [s for s in rank0_steps
-                     if not any(a < s["end"] and s["start"] < b for ws in windows.values() for a, b in ws)]
+    # from each save until the kernel has written its page-cache bytes back (rank 0's machine): stock's
+    # deferred writeback, which slows steps that would otherwise count as ordinary ones
+    written_back: dict[str, list[tuple[float, float]]] = {}
+    for name in windows:
+        written_back[name], seconds = writeback.windows(rank0_steps, name, ranks[0]["methods"][name]["saves"])
+        methods[name]["writeback_s"] = _median(seconds)
+        methods[name]["written_back"] = all(r["methods"][name].get("written_back", True) for r in ranks)
+    outside_steps = [s for s in rank0_steps if not any(a < s["end"] and s["start"] < b for spans in
+                                                        (*windows.values(), *written_back.values()) for a, b in spans)]
     outside = [s["end"] - s["start"] for s in outside_steps]
     for name, ws in windows.items():
         inside_steps = [s for s in rank0_steps if s["method"] == name
@@ -117,12 +126,24 @@ def summarize(report: dict) -> dict:
         # would count as lost time for every method that writes in the background; never below zero.
         saves = len(ranks[0]["methods"][name]["saves"])
         extra = max(0.0, sum(t - base for t in inside)) / saves if base else 0.0
+        # the same, counting also the steps until the kernel wrote the save's page-cache bytes back
+        spans = ws + written_back[name]
+        with_writeback = [s["end"] - s["start"] for s in rank0_steps if s["method"] == name
+                          and any(a < s["end"] and s["start"] < b for a, b in spans)]
+        methods[name]["steps_inside_writeback_windows"] = len(with_writeback)
+        extra_with_writeback = max(0.0, sum(t - base for t in with_writeback)) / saves if base else 0.0
         if methods[name].get("stall_s") is not None:
             methods[name]["training_time_lost_per_save_s"] = methods[name]["stall_s"] + extra
+            methods[name]["lost_incl_writeback_per_save_s"] = methods[name]["stall_s"] + extra_with_writeback
+    stock_with_writeback = methods.get("stock", {}).get("lost_incl_writeback_per_save_s")
+    for name in windows:
         if stock_stall and methods[name].get("stall_s"):
             methods[name]["stall_reduction_vs_stock"] = stock_stall / methods[name]["stall_s"]
             lost = methods[name].get("training_time_lost_per_save_s")
             methods[name]["lost_vs_stock"] = lost / stock_stall if lost is not None else None
+        if stock_with_writeback and methods[name].get("lost_incl_writeback_per_save_s") is not None:
+            methods[name]["lost_incl_writeback_vs_stock"] = (methods[name]["lost_incl_writeback_per_save_s"]
+                                                              / stock_with_writeback)
     return {"floor": {"bytes": floor_bytes, "copy_s": copy_floor_s, "copy_gbps": floor_bytes / len(ranks) / copy_floor_s / GB,
                       "local_write_gbps": local_floor_gbps, "local_write_while_training_gbps": busy_floor_gbps,
                       "s3_upload_gbps": s3_floor_gbps},
@@ -192,6 +213,17 @@ def table(report: dict) -> str:
             f"| {_fmt(m.get('training_time_lost_per_save_s', m['stall_s']), '.3f', ' s')} "
             f"| {_fmt(m.get('lost_vs_stock'), '.2f', 'x')} | {_fmt(m.get('first_stall_s'), '.3f', ' s')} "
             f"| {_fmt(m.get('first_vs_steady_stall'), '.1f', 'x')} | {m['bytes_per_save'] / GB:.3f} |")
+    ran = {name: m for name, m in s["methods"].items() if m.get("writeback_s") is not None}
+    if ran:
+        lines += ["", "Counting also the steps until the kernel wrote each save's page-cache bytes back (rank 0's "
+                  "machine; a save that writes with `O_DIRECT` and fsync leaves none):", "",
+                  "| method | written back after the save call (median) | steps counted | lost / save incl. writeback "
+                  "| vs stock's incl. writeback |", "|---|---|---|---|---|"]
+        for name, m in ran.items():
+            lines.append(f"| {name} | {_fmt(m['writeback_s'], '.1f', ' s')}"
+                         f"{'' if m['written_back'] else ' (not all by the end of the run)'} "
+                         f"| {m['steps_inside_writeback_windows']} | {_fmt(m.get('lost_incl_writeback_per_save_s'), '.3f', ' s')} "
+                         f"| {_fmt(m.get('lost_incl_writeback_vs_stock'), '.2f', 'x')} |")
     for name, m in s["methods"].items():
         if "staging_bytes" in m:
             lines.append(f"\n{name}: staging {m['staging_bytes'] / GB:.3f} GB (flat across saves: {m['staging_flat']}), "

@@ -23,6 +23,7 @@ from typing import Any
 
 from async_ckpt.workload import MLP_SIZES, SIZES
 from async_ckpt.bench.methods import METHODS, ON_REQUEST
+from async_ckpt.bench.writeback import DRAIN_CAP_S
 
 ALL_METHODS = list(METHODS)
 #: What a run without --methods compares: every method but the prototypes run on request only.
@@ -50,10 +51,14 @@ class BenchConfig:
     # PyTorch threads per rank. None: PyTorch's default (every CPU in every rank, as DeepSpeed's launcher
     # leaves it without --bind_cores_to_rank); CPUs / ranks shares them out as that option does.
     threads_per_rank: int | None = None
+    # after each method's last save, train on until the kernel has written its page-cache bytes back, for
+    # at most this long (async_ckpt.bench.writeback); the smoke run waits less, for a suite whose other
+    # tests write beside it
+    writeback_cap_s: float = DRAIN_CAP_S
 
     @classmethod
     def quick(cls, **overrides: Any) -> "BenchConfig":
-        return cls(**{"size": "tiny", "saves": 2, "steps_between": 2, **overrides})
+        return cls(**{"size": "tiny", "saves": 2, "steps_between": 2, "writeback_cap_s": 5.0, **overrides})
 
 
 def _quiet() -> None:
@@ -75,6 +80,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     from async_ckpt import workload
     from async_ckpt.bench import floors
     from async_ckpt.bench.thread_cpu import cpu_delta, thread_cpu, with_ended
+    from async_ckpt.bench.writeback import dirty_bytes, train_until_written_back
 
     rank = dist.get_rank()
     proc = psutil.Process()
@@ -102,8 +108,14 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         steps.append({"method": method, "start": started, "end": end, "cpu_s": cpu_s,
                       "page_faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt,
-                      "threads_cpu_s": with_ended(cpu_delta(threads_before, threads_after), cpu_s)})
+                      "threads_cpu_s": with_ended(cpu_delta(threads_before, threads_after), cpu_s),
+                      "dirty_bytes": dirty_bytes()})
         peak_rss = max(peak_rss, proc.memory_info().rss)
+
+    def agree(waiting: bool) -> bool:  # True while any rank still waits
+        flag = torch.tensor([float(waiting)], device=engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     step("warmup")
     results: dict[str, Any] = {}
@@ -119,16 +131,23 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             for _ in range(cfg["steps_between"]):
                 step(name)
                 method.poll()
+            dirty_before = dirty_bytes()
             started = time.time()
             method.save(f"{name}-{i}")
-            saves.append({"start": started, "call_s": time.time() - started})
+            saves.append({"start": started, "call_s": time.time() - started, "dirty_before": dirty_before,
+                          "dirty_after": dirty_bytes()})
         for _ in range(cfg["steps_between"]):
             step(name)
             method.poll()
         finish_started = time.time()
         method.finish()
-        entry = {"note": method.note, "finish_wait_s": time.time() - finish_started,
-                 "bytes_per_save": method.bytes_per_save}
+        finish_wait_s = time.time() - finish_started
+        # a save that left its bytes in the page cache is not done with the disk: train on until the kernel
+        # has written them back, so that its writeback slows this method's steps, not the next method's
+        written_back = train_until_written_back(lambda: step(name), saves[0]["dirty_before"] if saves else None,
+                                                agree, cap_s=cfg["writeback_cap_s"])
+        entry = {"note": method.note, "finish_wait_s": finish_wait_s, "bytes_per_save": method.bytes_per_save,
+                 "written_back": written_back}
         for i, save in enumerate(saves):
             save["durable_s"] = method.durable_s[i] if i < len(method.durable_s) else None
             save["extra_stall_s"] = method.extra_stall_s[i] if i < len(method.extra_stall_s) else 0.0

@@ -1,0 +1,103 @@
+"""The bench charges a save the steps that the kernel's deferred writeback of its page-cache bytes slows."""
+
+from __future__ import annotations
+
+import pytest
+
+from async_ckpt.bench.report import summarize
+from async_ckpt.bench.writeback import SLACK_BYTES, dirty_bytes, train_until_written_back, windows
+
+GIB = 1024**3
+
+
+def _steps(method: str, start: float, durations: list[float], dirty: list[int]) -> tuple[list[dict], float]:
+    out = []
+    for d, level in zip(durations, dirty):
+        out.append({"method": method, "start": start, "end": start + d, "dirty_bytes": level})
+        start += d
+    return out, start
+
+
+def test_dirty_bytes_adds_the_dirty_and_under_writeback_pages_of_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683656 kB\nDirty:              100 kB\nWriteback:           28 kB\n")
+    assert dirty_bytes(str(meminfo)) == 128 * 1024
+    assert dirty_bytes(str(tmp_path / "missing")) is None
+
+
+def test_a_save_that_left_its_bytes_in_the_page_cache_is_open_until_a_step_finds_them_written_back():
+    steps, _ = _steps("stock", 10.0, [1.0, 1.0, 1.0, 1.0], [2 * GIB, 2 * GIB, 0, 0])
+    save = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": 2 * GIB}
+    spans, seconds = windows(steps, "stock", [save])
+    assert spans == [(10.0, 13.0)] and seconds == [3.0]
+
+
+def test_a_save_that_left_nothing_in_the_page_cache_has_no_writeback_window():
+    steps, _ = _steps("async_ckpt", 10.0, [1.0, 1.0], [0, 0])
+    save = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": SLACK_BYTES}
+    assert windows(steps, "async_ckpt", [save]) == ([], [0.0])
+
+
+def test_training_goes_on_until_the_dirty_bytes_are_back_to_the_level_before_the_saves():
+    levels = iter([2 * GIB, GIB, 0])
+    stepped = []
+    assert train_until_written_back(lambda: stepped.append(1), 0, lambda waiting: waiting, dirty=lambda: next(levels))
+    assert len(stepped) == 2
+
+
+def test_training_goes_on_while_another_rank_still_waits_for_its_writeback():
+    other_rank_waiting = iter([True, True, False])
+    stepped = []
+    assert train_until_written_back(lambda: stepped.append(1), 0, lambda waiting: waiting or next(other_rank_waiting),
+                                    dirty=lambda: 0)
+    assert len(stepped) == 2
+
+
+def test_training_stops_waiting_for_writeback_at_the_cap_and_says_so():
+    stepped = []
+    assert not train_until_written_back(lambda: stepped.append(1), 0, lambda waiting: waiting,
+                                        dirty=lambda: 2 * GIB, cap_s=0.0)
+    assert stepped == []
+
+
+def _report(steps: list[dict], methods: dict[str, list[dict]]) -> dict:
+    rank = {"floor": {"bytes": GIB, "copy_s": 0.1, "local_write_s": 1.0}, "steps": steps, "peak_rss": GIB,
+            "methods": {name: {"saves": saves, "bytes_per_save": GIB, "written_back": True}
+                        for name, saves in methods.items()}}
+    return {"ranks": [rank], "target": {"kind": "local"}}
+
+
+@pytest.fixture
+def page_cache_vs_direct():
+    """Stock saves at 2 s and leaves 2 GiB in the page cache, whose writeback slows its next five steps by
+    0.5 s each (most of the run's steps: counted as ordinary ones, they would be the median); async_ckpt
+    saves at 11.5 s with O_DIRECT (nothing left dirty) and writes until 13.6 s, slowing its next two steps
+    by 0.2 s each. Every other step takes 1 s."""
+    before, t = _steps("stock", 0.0, [1.0, 1.0], [0, 0])
+    stock_save = {"start": t, "call_s": 1.0, "durable_s": 1.0, "extra_stall_s": 0.0, "dirty_before": 0,
+                  "dirty_after": 2 * GIB}
+    after, t = _steps("stock", t + 1.0, [1.5] * 5 + [1.0], [2 * GIB] * 4 + [0, 0])
+    ours_save = {"start": t, "call_s": 0.1, "durable_s": 2.1, "extra_stall_s": 0.0, "dirty_before": 0,
+                 "dirty_after": 0}
+    ours, _ = _steps("async_ckpt", t + 0.1, [1.2, 1.2, 1.0], [0] * 3)
+    return summarize(_report(before + after + ours, {"stock": [stock_save], "async_ckpt": [ours_save]}))
+
+
+def test_a_page_cache_saves_writeback_is_charged_to_it_in_lost_incl_writeback(page_cache_vs_direct):
+    stock = page_cache_vs_direct["methods"]["stock"]
+    assert stock["training_time_lost_per_save_s"] == pytest.approx(1.0)  # the issue's figure: the stall alone
+    assert stock["lost_incl_writeback_per_save_s"] == pytest.approx(1.0 + 5 * 0.5)
+    assert stock["writeback_s"] == pytest.approx(7.5) and stock["steps_inside_writeback_windows"] == 5
+
+
+def test_steps_slowed_by_a_writeback_are_not_the_baseline_of_any_method(page_cache_vs_direct):
+    assert page_cache_vs_direct["median_step_s_outside_saves"] == pytest.approx(1.0)
+    ours = page_cache_vs_direct["methods"]["async_ckpt"]
+    assert ours["training_time_lost_per_save_s"] == pytest.approx(0.1 + 2 * 0.2)
+
+
+def test_a_save_written_with_o_direct_costs_the_same_with_or_without_the_writeback_counted(page_cache_vs_direct):
+    ours = page_cache_vs_direct["methods"]["async_ckpt"]
+    assert ours["lost_incl_writeback_per_save_s"] == pytest.approx(ours["training_time_lost_per_save_s"])
+    assert ours["writeback_s"] == 0.0
+    assert ours["lost_incl_writeback_vs_stock"] == pytest.approx(0.5 / 3.5)
