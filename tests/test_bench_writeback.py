@@ -32,6 +32,12 @@ def test_a_save_that_left_its_bytes_in_the_page_cache_is_open_until_a_step_finds
     assert spans == [(10.0, 13.0)] and seconds == [3.0]
 
 
+def test_a_background_write_through_the_page_cache_is_open_until_a_step_finds_its_bytes_written_back():
+    steps, _ = _steps("buffered", 10.0, [1.0, 1.0, 1.0], [GIB, 0, 0])
+    save = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": 0}
+    assert windows(steps, "buffered", [save]) == ([(10.0, 12.0)], [2.0])
+
+
 def test_a_save_that_left_nothing_in_the_page_cache_has_no_writeback_window():
     steps, _ = _steps("async_ckpt", 10.0, [1.0, 1.0], [0, 0])
     save = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": SLACK_BYTES}

@@ -56,23 +56,26 @@ def train_until_written_back(step: Callable[[], None], level: int | None, agree:
 
 def windows(steps: list[dict], method: str, saves: list[dict]) -> tuple[list[tuple[float, float]], list[float]]:
     """Per save of ``method`` that recorded the dirty bytes before and after its call: the window from
-    the call's return to the end of the first of the method's steps after it at which the dirty bytes
-    were back within :data:`SLACK_BYTES` of the level before (or to the method's last step, where they
-    never were), and its length in seconds; none, and 0 s, for a save that left no more than that.
-    ``steps`` carry ``dirty_bytes`` at their end."""
+    the call's return to the end of the first of the method's steps at which the dirty bytes were back
+    within :data:`SLACK_BYTES` of the level before (or to the method's last step, where they never
+    were), and its length in seconds. A save whose bytes were above that level neither when its call
+    returned nor at the end of the next step (one written with ``O_DIRECT``, or fsynced in time) has
+    no window, and 0 s. ``steps`` carry ``dirty_bytes`` at their end."""
     own = [s for s in steps if s["method"] == method and s.get("dirty_bytes") is not None]
     spans, seconds = [], []
     for save in saves:
         if save.get("dirty_before") is None or save.get("dirty_after") is None:
             continue
-        if save["dirty_after"] <= save["dirty_before"] + SLACK_BYTES:
-            seconds.append(0.0)
-            continue
+        level = save["dirty_before"] + SLACK_BYTES
         returned = save["start"] + save["call_s"]
         later = [s for s in own if s["start"] >= returned]
+        if save["dirty_after"] <= level and (not later or later[0]["dirty_bytes"] <= level):
+            seconds.append(0.0)
+            continue
         if not later:
             continue
-        clean = next((s for s in later if s["dirty_bytes"] <= save["dirty_before"] + SLACK_BYTES), later[-1])
+        dirty_from = 0 if save["dirty_after"] > level else 1
+        clean = next((s for s in later[dirty_from:] if s["dirty_bytes"] <= level), later[-1])
         spans.append((returned, clean["end"]))
         seconds.append(clean["end"] - returned)
     return spans, seconds
