@@ -304,9 +304,10 @@ def test_bench_writer_process_prototype_writes_the_same_bytes_as_the_writer_thre
 
 @pytest.fixture(scope="module")
 def pieces_ab(tmp_path_factory):
-    """One --quick run of the defaults and the 128 MiB piece A/B, at micro-batch 3 and 3 threads per rank."""
+    """One --quick run of the defaults and two A/Bs (128 MiB pieces; buffered writes), at micro-batch 3 and
+    3 threads per rank."""
     return _quick_bench(tmp_path_factory.mktemp("pieces_ab"), "--micro-batch", "3", "--threads-per-rank", "3",
-                        "--methods", "async_ckpt,async_ckpt_pieces128")
+                        "--methods", "async_ckpt,async_ckpt_pieces128,async_ckpt_buffered")
 
 
 def test_bench_micro_batch_option_sets_every_ranks_micro_batch(pieces_ab):
@@ -319,11 +320,12 @@ def test_bench_threads_per_rank_option_sets_every_ranks_pytorch_threads(pieces_a
     assert [rank["threads"] for rank in pieces_ab["ranks"]] == [3, 3]
 
 
-def test_bench_piece_size_ab_saves_the_same_bytes_as_the_defaults(pieces_ab):
-    _assert_every_save_durable(pieces_ab, ["async_ckpt", "async_ckpt_pieces128"])
+@pytest.mark.parametrize("ab", ["async_ckpt_pieces128", "async_ckpt_buffered"])
+def test_bench_ab_methods_save_the_same_bytes_as_the_defaults(pieces_ab, ab):
+    _assert_every_save_durable(pieces_ab, ["async_ckpt", "async_ckpt_pieces128", "async_ckpt_buffered"])
     for rank in pieces_ab["ranks"]:
         ours = rank["methods"]
-        assert ours["async_ckpt_pieces128"]["bytes_per_save"] == ours["async_ckpt"]["bytes_per_save"]
+        assert ours[ab]["bytes_per_save"] == ours["async_ckpt"]["bytes_per_save"]
 
 
 def test_writer_process_serializes_in_its_worker_and_restores_the_writer(tmp_path):
