@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from async_ckpt.bench.report import summarize
-from async_ckpt.bench.writeback import SLACK_BYTES, dirty_bytes, train_until_written_back, windows
+from async_ckpt.bench.writeback import SLACK_BYTES, dirty_bytes, train_until_written_back, union_s, windows
 
 GIB = 1024**3
 
@@ -23,25 +23,41 @@ def test_dirty_bytes_adds_the_dirty_and_under_writeback_pages_of_meminfo(tmp_pat
     meminfo.write_text("MemTotal:       24683656 kB\nDirty:              100 kB\nWriteback:           28 kB\n")
     assert dirty_bytes(str(meminfo)) == 128 * 1024
     assert dirty_bytes(str(tmp_path / "missing")) is None
+    meminfo.write_text("MemTotal:       24683656 kB\n")
+    assert dirty_bytes(str(meminfo)) is None  # not measured, rather than clean
 
 
 def test_a_save_that_left_its_bytes_in_the_page_cache_is_open_until_a_step_finds_them_written_back():
     steps, _ = _steps("stock", 10.0, [1.0, 1.0, 1.0, 1.0], [2 * GIB, 2 * GIB, 0, 0])
     save = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": 2 * GIB}
-    spans, seconds = windows(steps, "stock", [save])
-    assert spans == [(10.0, 13.0)] and seconds == [3.0]
+    assert windows(steps, "stock", [save]) == [(10.0, 13.0)]
+
+
+def test_a_save_made_while_an_earlier_ones_bytes_are_written_back_is_open_until_all_are():
+    # the second save returns with fewer dirty bytes than before it: older ones were written back meanwhile
+    steps, _ = _steps("stock", 10.0, [1.0, 1.0, 1.0, 1.0, 1.0], [2 * GIB, 3 * GIB, 2 * GIB, 0, 0])
+    first = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": 2 * GIB}
+    second = {"start": 11.0, "call_s": 0.5, "dirty_before": 3 * GIB, "dirty_after": 2 * GIB}
+    spans = windows(steps, "stock", [first, second])
+    assert spans == [(10.0, 14.0), (11.5, 14.0)] and union_s(spans) == 4.0
 
 
 def test_a_background_write_through_the_page_cache_is_open_until_a_step_finds_its_bytes_written_back():
     steps, _ = _steps("buffered", 10.0, [1.0, 1.0, 1.0], [GIB, 0, 0])
     save = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": 0}
-    assert windows(steps, "buffered", [save]) == ([(10.0, 12.0)], [2.0])
+    assert windows(steps, "buffered", [save]) == [(10.0, 12.0)]
 
 
 def test_a_save_that_left_nothing_in_the_page_cache_has_no_writeback_window():
     steps, _ = _steps("async_ckpt", 10.0, [1.0, 1.0], [0, 0])
     save = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": SLACK_BYTES}
-    assert windows(steps, "async_ckpt", [save]) == ([], [0.0])
+    assert windows(steps, "async_ckpt", [save]) == []
+
+
+def test_a_method_that_recorded_no_dirty_bytes_has_its_writeback_unmeasured_not_clean():
+    steps = [{"method": "stock", "start": 10.0, "end": 11.0, "dirty_bytes": None}]
+    assert windows(steps, "stock", [{"start": 9.0, "call_s": 1.0, "dirty_before": None, "dirty_after": None}]) is None
+    assert train_until_written_back(lambda: None, None, lambda waiting: waiting) is None
 
 
 def test_training_goes_on_until_the_dirty_bytes_are_back_to_the_level_before_the_saves():
@@ -93,7 +109,8 @@ def test_a_page_cache_saves_writeback_is_charged_to_it_in_lost_incl_writeback(pa
     stock = page_cache_vs_direct["methods"]["stock"]
     assert stock["training_time_lost_per_save_s"] == pytest.approx(1.0)  # the figure: the stall alone
     assert stock["lost_incl_writeback_per_save_s"] == pytest.approx(1.0 + 5 * 0.5)
-    assert stock["writeback_s"] == pytest.approx(7.5) and stock["steps_inside_writeback_windows"] == 5
+    assert stock["writeback_window_s"] == pytest.approx(7.5) and stock["steps_inside_writeback_windows"] == 5
+    assert stock["writeback_extra_signed_per_save_s"] == pytest.approx(5 * 0.5)
 
 
 def test_steps_slowed_by_a_writeback_are_not_the_baseline_of_any_method(page_cache_vs_direct):
@@ -105,5 +122,25 @@ def test_steps_slowed_by_a_writeback_are_not_the_baseline_of_any_method(page_cac
 def test_a_save_written_with_o_direct_costs_the_same_with_or_without_the_writeback_counted(page_cache_vs_direct):
     ours = page_cache_vs_direct["methods"]["async_ckpt"]
     assert ours["lost_incl_writeback_per_save_s"] == pytest.approx(ours["training_time_lost_per_save_s"])
-    assert ours["writeback_s"] == 0.0
+    assert ours["writeback_window_s"] == 0.0
     assert ours["lost_incl_writeback_vs_stock"] == pytest.approx(0.5 / 3.5)
+
+
+def test_without_dirty_byte_readings_lost_incl_writeback_is_not_reported():
+    steps, t = _steps("stock", 0.0, [1.0, 1.0, 1.0], [None] * 3)
+    save = {"start": 1.0, "call_s": 0.5, "durable_s": 0.5, "extra_stall_s": 0.0}
+    stock = summarize(_report(steps, {"stock": [save]}))["methods"]["stock"]
+    assert stock["writeback_window_s"] is None and stock["lost_incl_writeback_per_save_s"] is None
+
+
+def test_the_writeback_extra_is_also_measured_against_the_methods_own_ordinary_steps():
+    # the run drifts: stock's ordinary steps take 2 s, async_ckpt's 1 s; stock's writeback adds 0.5 s to each of two
+    before, t = _steps("stock", 0.0, [2.0, 2.0, 2.0], [0] * 3)
+    save = {"start": t, "call_s": 1.0, "durable_s": 1.0, "extra_stall_s": 0.0, "dirty_before": 0, "dirty_after": GIB}
+    after, t = _steps("stock", t + 1.0, [2.5, 2.5, 2.0], [GIB, 0, 0])
+    ours, _ = _steps("async_ckpt", t, [1.0] * 9, [0] * 9)
+    ours_save = {"start": ours[4]["start"], "call_s": 0.0, "durable_s": 0.0, "extra_stall_s": 0.0,
+                 "dirty_before": 0, "dirty_after": 0}
+    stock = summarize(_report(before + after + ours, {"stock": [save], "async_ckpt": [ours_save]}))["methods"]["stock"]
+    assert stock["writeback_extra_signed_vs_own_steps_per_save_s"] == pytest.approx(2 * 0.5)
+    assert stock["writeback_extra_signed_per_save_s"] == pytest.approx(2 * 1.5)  # against the run's 1 s median

@@ -17,6 +17,11 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _overlaps(step: dict, spans: list[tuple[float, float]]) -> bool:
+    """Whether ``step`` ran during any of the ``(start, end)`` spans."""
+    return any(a < step["end"] and step["start"] < b for a, b in spans)
+
+
 def next_step_over_before(steps: list[dict], method: str, saves: list[dict], before: int = 10) -> float | None:
     """How much longer the step right after a save ran than the median of the ``before`` steps just
     before that save (the same method's, on one rank, outside any of its saves' windows from the call
@@ -27,7 +32,7 @@ def next_step_over_before(steps: list[dict], method: str, saves: list[dict], bef
     right before each save, what the save costs its next step shows through that drift."""
     windows = [(s["start"], s["start"] + max(s["call_s"], s.get("durable_s") or 0.0)) for s in saves]
     own = [s for s in steps if s["method"] == method]
-    clean = [s for s in own if not any(a < s["end"] and s["start"] < b for a, b in windows)]
+    clean = [s for s in own if not _overlaps(s, windows)]
     extras = []
     for save in saves:
         earlier = [s["end"] - s["start"] for s in clean if s["end"] <= save["start"]][-before:]
@@ -99,17 +104,18 @@ def summarize(report: dict) -> dict:
         methods[name] = entry
     # from each save until the kernel has written its page-cache bytes back (rank 0's machine): stock's
     # deferred writeback, which slows steps that would otherwise count as ordinary ones
-    written_back: dict[str, list[tuple[float, float]]] = {}
+    writeback_spans: dict[str, list[tuple[float, float]] | None] = {}
     for name in windows:
-        written_back[name], seconds = writeback.windows(rank0_steps, name, ranks[0]["methods"][name]["saves"])
-        methods[name]["writeback_s"] = _median(seconds)
-        methods[name]["written_back"] = all(r["methods"][name].get("written_back", True) for r in ranks)
-    outside_steps = [s for s in rank0_steps if not any(a < s["end"] and s["start"] < b for spans in
-                                                        (*windows.values(), *written_back.values()) for a, b in spans)]
+        spans = writeback.windows(rank0_steps, name, ranks[0]["methods"][name]["saves"])
+        writeback_spans[name] = spans
+        methods[name]["writeback_window_s"] = writeback.union_s(spans) if spans is not None else None
+        drained = [r["methods"][name].get("written_back") for r in ranks]
+        methods[name]["written_back"] = None if None in drained else all(drained)
+    outside_steps = [s for s in rank0_steps
+                     if not any(_overlaps(s, spans or []) for spans in (*windows.values(), *writeback_spans.values()))]
     outside = [s["end"] - s["start"] for s in outside_steps]
     for name, ws in windows.items():
-        inside_steps = [s for s in rank0_steps if s["method"] == name
-                        and any(a < s["end"] and s["start"] < b for a, b in ws)]
+        inside_steps = [s for s in rank0_steps if s["method"] == name and _overlaps(s, ws)]
         inside = [s["end"] - s["start"] for s in inside_steps]
         base = _median(outside)
         methods[name]["steps_inside_windows"] = len(inside)
@@ -126,15 +132,28 @@ def summarize(report: dict) -> dict:
         # would count as lost time for every method that writes in the background; never below zero.
         saves = len(ranks[0]["methods"][name]["saves"])
         extra = max(0.0, sum(t - base for t in inside)) / saves if base else 0.0
-        # the same, counting also the steps until the kernel wrote the save's page-cache bytes back
-        spans = ws + written_back[name]
-        with_writeback = [s["end"] - s["start"] for s in rank0_steps if s["method"] == name
-                          and any(a < s["end"] and s["start"] < b for a, b in spans)]
-        methods[name]["steps_inside_writeback_windows"] = len(with_writeback)
-        extra_with_writeback = max(0.0, sum(t - base for t in with_writeback)) / saves if base else 0.0
         if methods[name].get("stall_s") is not None:
             methods[name]["training_time_lost_per_save_s"] = methods[name]["stall_s"] + extra
-            methods[name]["lost_incl_writeback_per_save_s"] = methods[name]["stall_s"] + extra_with_writeback
+        # the same, counting also the steps until the kernel wrote the saves' page-cache bytes back; the
+        # signed extra is kept unclipped too, since over many steps it is mostly the run's step-time noise
+        spans = writeback_spans[name]
+        for key in ("steps_inside_writeback_windows", "writeback_extra_signed_per_save_s",
+                    "writeback_extra_signed_vs_own_steps_per_save_s", "lost_incl_writeback_per_save_s"):
+            methods[name][key] = None
+        if spans is not None and base:
+            with_writeback = [s["end"] - s["start"] for s in rank0_steps if s["method"] == name
+                              and _overlaps(s, ws + spans)]
+            signed = sum(t - base for t in with_writeback) / saves
+            methods[name]["steps_inside_writeback_windows"] = len(with_writeback)
+            methods[name]["writeback_extra_signed_per_save_s"] = signed
+            # against the method's own ordinary steps instead of the run's: step time drifts between the
+            # methods of one run, by as much as a save costs
+            own = _median([s["end"] - s["start"] for s in outside_steps if s["method"] == name])
+            if own:
+                methods[name]["writeback_extra_signed_vs_own_steps_per_save_s"] = (
+                    sum(t - own for t in with_writeback) / saves)
+            if methods[name].get("stall_s") is not None:
+                methods[name]["lost_incl_writeback_per_save_s"] = methods[name]["stall_s"] + max(0.0, signed)
     stock_with_writeback = methods.get("stock", {}).get("lost_incl_writeback_per_save_s")
     for name in windows:
         if stock_stall and methods[name].get("stall_s"):
@@ -213,16 +232,21 @@ def table(report: dict) -> str:
             f"| {_fmt(m.get('training_time_lost_per_save_s', m['stall_s']), '.3f', ' s')} "
             f"| {_fmt(m.get('lost_vs_stock'), '.2f', 'x')} | {_fmt(m.get('first_stall_s'), '.3f', ' s')} "
             f"| {_fmt(m.get('first_vs_steady_stall'), '.1f', 'x')} | {m['bytes_per_save'] / GB:.3f} |")
-    ran = {name: m for name, m in s["methods"].items() if m.get("writeback_s") is not None}
+    ran = {name: m for name, m in s["methods"].items() if m.get("writeback_window_s") is not None}
     if ran:
-        lines += ["", "Counting also the steps until the kernel wrote each save's page-cache bytes back (rank 0's "
-                  "machine; a save that writes with `O_DIRECT` and fsync leaves none):", "",
-                  "| method | written back after the save call (median) | steps counted | lost / save incl. writeback "
-                  "| vs stock's incl. writeback |", "|---|---|---|---|---|"]
+        lines += ["", "Counting also the steps until the kernel wrote the saves' page-cache bytes back (rank 0's "
+                  "machine; a save that writes with `O_DIRECT` and fsync leaves none). Over many steps the signed "
+                  "extra is mostly the run's step-time noise:", "",
+                  "| method | page-cache bytes waiting (s, all saves) | steps counted | signed extra / save "
+                  "| the same against the method's own ordinary steps | lost / save incl. writeback "
+                  "| vs stock's incl. writeback |", "|---|---|---|---|---|---|---|"]
         for name, m in ran.items():
-            lines.append(f"| {name} | {_fmt(m['writeback_s'], '.1f', ' s')}"
-                         f"{'' if m['written_back'] else ' (not all by the end of the run)'} "
-                         f"| {m['steps_inside_writeback_windows']} | {_fmt(m.get('lost_incl_writeback_per_save_s'), '.3f', ' s')} "
+            lines.append(f"| {name} | {m['writeback_window_s']:.1f} s"
+                         f"{' (not all written back within the cap)' if m['written_back'] is False else ''} "
+                         f"| {_fmt(m['steps_inside_writeback_windows'], 'd')} "
+                         f"| {_fmt(m['writeback_extra_signed_per_save_s'], '+.3f', ' s')} "
+                         f"| {_fmt(m['writeback_extra_signed_vs_own_steps_per_save_s'], '+.3f', ' s')} "
+                         f"| {_fmt(m['lost_incl_writeback_per_save_s'], '.3f', ' s')} "
                          f"| {_fmt(m.get('lost_incl_writeback_vs_stock'), '.2f', 'x')} |")
     for name, m in s["methods"].items():
         if "staging_bytes" in m:
