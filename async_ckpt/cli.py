@@ -170,9 +170,16 @@ def _demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bench_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    """The optional packages a bench run needs: boto3 for the S3 floor wherever it targets S3 (``--url``
+    alone makes a run do so) and moto for the embedded server where no ``--url`` is given."""
+    s3 = args.target != "local" or bool(args.url)
+    s3_modules = (("boto3",) + (() if args.url else ("moto",))) if s3 else ()
+    return ("transformers", "tokenizers", "psutil", "matplotlib", *s3_modules)
+
+
 def _bench(args: argparse.Namespace) -> int:
-    s3_modules = ("boto3", "moto") if args.target != "local" else ()  # the S3 floor and the embedded server
-    _require_extra("bench", ("transformers", "tokenizers", "psutil", "matplotlib", *s3_modules))
+    _require_extra("bench", _bench_modules(args))
     from async_ckpt.bench.save_bench import config_from_args, run
 
     run(config_from_args(args))

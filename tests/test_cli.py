@@ -171,3 +171,17 @@ def test_a_missing_tag_is_a_clear_error_for_every_command(argv, local_root, caps
     args = [a.format(tmp=tmp_path) for a in argv]
     code, _, err = run_cli(capsys, args[0], str(local_root), *args[1:], "--tag", "nope")
     assert code == 2 and "'nope'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, s3_modules", [
+    ([], ()),  # local disk: no S3 floor, no embedded server
+    (["--target", "s3"], ("boto3", "moto")),
+    (["--url", "s3://bucket/run"], ("boto3",)),  # --url alone targets S3; its server is the user's
+    (["--target", "tiered"], ("boto3", "moto")),
+])
+def test_bench_asks_for_the_s3_packages_only_where_the_run_targets_s3(argv, s3_modules):
+    from async_ckpt.cli import _bench_modules, build_parser
+
+    needed = _bench_modules(build_parser().parse_args(["bench", *argv]))
+    assert tuple(m for m in needed if m in ("boto3", "moto")) == s3_modules
+    assert {"transformers", "tokenizers", "psutil", "matplotlib"} <= set(needed)
