@@ -217,6 +217,10 @@ class DcpAsyncSave(Method):
             self.bytes_per_save = int(fs.du(first))
 
 
+#: the async_ckpt options the bench's variants change, recorded per method in the results
+SETTINGS = ("overlap_copy", "direct_io", "exact_bytes", "writer_nice")
+
+
 class AsyncCkpt(Method):
     """async_ckpt with default settings (the variants below change one or two of them)."""
 
@@ -231,6 +235,9 @@ class AsyncCkpt(Method):
         else:
             self.root = f"{target['url'].rstrip('/')}/{self.name}"
         self.ckpt = async_ckpt.wrap(engine, self.root, storage_options=target["storage_options"], **options)
+        # the settings the variants below change, as the checkpointer took them (recorded in the results)
+        self.settings = {key: getattr(self.ckpt.config, key) for key in SETTINGS}
+        self.settings["synchronous"] = self.ckpt.synchronous
         if self.ckpt.synchronous and "synchronous" not in options:
             self.note = "synchronous saves, chosen by wrap(): CPU training and a destination in memory"
         self.handles: list[Any] = []

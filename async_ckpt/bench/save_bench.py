@@ -154,6 +154,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             if i < len(method.save_metrics):
                 save["metrics"] = method.save_metrics[i]
         entry["saves"] = saves
+        if hasattr(method, "settings"):
+            entry["settings"] = method.settings
         if hasattr(method, "rss_before_save"):
             entry["rss_before_save"] = method.rss_before_save
             entry["staging_bytes"] = method.staging_bytes
