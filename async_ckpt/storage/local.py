@@ -63,7 +63,7 @@ def dio_alignment(fd: int) -> int:
     512, which the file's first (4096-byte) block write overwrites."""
     device = os.fstat(fd).st_dev
     if device not in _dio_alignment:
-        with mmap.mmap(-1, _ALIGN) as page, memoryview(page) as view:
+        with anonymous_memory(_ALIGN) as page, memoryview(page) as view:
             try:
                 os.pwrite(fd, view[512:1024], 512)
                 _dio_alignment[device] = 512
