@@ -78,11 +78,9 @@ def windows(steps: list[dict], method: str, saves: list[dict]) -> list[tuple[flo
     for save in measured:
         returned = save["start"] + save["call_s"]
         later = [s for s in own if s["start"] >= returned]
-        if save["dirty_after"] <= level and (not later or later[0]["dirty_bytes"] <= level):
+        dirty_from = 0 if save["dirty_after"] > level else 1  # the first reading above the level
+        if not later or (dirty_from and later[0]["dirty_bytes"] <= level):
             continue
-        if not later:
-            continue
-        dirty_from = 0 if save["dirty_after"] > level else 1
         clean = next((s for s in later[dirty_from:] if s["dirty_bytes"] <= level), later[-1])
         spans.append((returned, clean["end"]))
     return spans
