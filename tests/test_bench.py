@@ -450,3 +450,16 @@ def test_bench_records_the_systems_dirty_bytes_after_each_step_and_around_each_s
             if "skipped" not in method:
                 assert all(isinstance(save[key], int) for save in method["saves"] for key in ("dirty_before", "dirty_after"))
                 assert method["written_back"] in (True, False), name
+
+
+def test_bench_records_the_machines_cpu_by_kind_in_each_step_and_charges_it_to_the_saves(bench):
+    _, report = bench
+    for rank in report["ranks"]:
+        assert all(set(step["machine_cpu_s"]) == {"user", "system", "steal", "idle"} for step in rank["steps"])
+        assert sum(step["machine_cpu_s"]["user"] for step in rank["steps"]) > 0
+    for name, m in report["summary"]["methods"].items():
+        if "skipped" not in m:
+            assert m["extra_machine_cpu_per_save_s"] is None or set(m["extra_machine_cpu_per_save_s"]) == {
+                "user", "system", "steal", "idle"}, name
+    ours = report["summary"]["methods"]["async_ckpt"]  # an O_DIRECT write: its costed steps are those it overlaps
+    assert (ours["extra_machine_cpu_per_save_s"] is None) == (ours["steps_inside_windows"] == 0)

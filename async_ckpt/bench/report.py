@@ -7,7 +7,7 @@ import os
 import statistics
 from typing import Any
 
-from async_ckpt.bench import writeback
+from async_ckpt.bench import machine_cpu, writeback
 
 GB = 1e9
 
@@ -137,6 +137,10 @@ def summarize(report: dict) -> dict:
         # the same, counting also the steps until the kernel wrote the saves' page-cache bytes back; the
         # signed extra is kept unclipped too, since over many steps it is mostly the run's step-time noise
         spans = writeback_spans[name]
+        # the whole machine's CPU in the steps from each save's return until it is durable and written back:
+        # the cost that step times, drifting by as much over a run, cannot settle
+        costed = [s for s in rank0_steps if s["method"] == name and _overlaps(s, ws + (spans or []))]
+        methods[name]["extra_machine_cpu_per_save_s"] = machine_cpu.extra_per_save(costed, outside_steps, saves)
         for key in ("steps_inside_writeback_windows", "writeback_extra_signed_per_save_s",
                     "writeback_extra_signed_vs_own_steps_per_save_s", "lost_incl_writeback_per_save_s"):
             methods[name][key] = None
@@ -248,6 +252,18 @@ def table(report: dict) -> str:
                          f"| {_fmt(m['writeback_extra_signed_vs_own_steps_per_save_s'], '+.3f', ' s')} "
                          f"| {_fmt(m['lost_incl_writeback_per_save_s'], '.3f', ' s')} "
                          f"| {_fmt(m.get('lost_incl_writeback_vs_stock'), '.2f', 'x')} |")
+    costed = {name: m["extra_machine_cpu_per_save_s"] for name, m in s["methods"].items()
+              if m.get("extra_machine_cpu_per_save_s")}
+    if costed:
+        lines += ["", "The whole machine's CPU (`/proc/stat`, all cores) in rank 0's steps from each save's return "
+                  "until it was durable and written back, beyond what ordinary steps used in the same time, per "
+                  "save (a cost outside this process: the kernel's writeback, the other rank's writer, the "
+                  "hypervisor's `steal`):", "",
+                  "| method | " + " | ".join(machine_cpu.KINDS) + " | system + steal |",
+                  "|---|" + "---|" * (len(machine_cpu.KINDS) + 1)]
+        for name, extra in costed.items():
+            lines.append(f"| {name} | " + " | ".join(f"{extra[k]:+.2f} s" for k in machine_cpu.KINDS)
+                         + f" | {extra['system'] + extra['steal']:+.2f} s |")
     for name, m in s["methods"].items():
         if "staging_bytes" in m:
             lines.append(f"\n{name}: staging {m['staging_bytes'] / GB:.3f} GB (flat across saves: {m['staging_flat']}), "

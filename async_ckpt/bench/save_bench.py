@@ -78,7 +78,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     import torch.distributed as dist
 
     from async_ckpt import workload
-    from async_ckpt.bench import floors
+    from async_ckpt.bench import floors, machine_cpu
     from async_ckpt.bench.thread_cpu import cpu_delta, thread_cpu, with_ended
     from async_ckpt.bench.writeback import dirty_bytes, train_until_written_back
 
@@ -98,18 +98,22 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     def step(method: str) -> None:
         # the rank's CPU time over all its threads (the writer's too) and its page faults, per step:
         # what a background write adds to the steps it overlaps, on a machine with no idle core
-        # (and by thread: the training thread's, the writer's pools', PyTorch's and gloo's native threads)
+        # (and by thread: the training thread's, the writer's pools', PyTorch's and gloo's native threads);
+        # and the whole machine's, by kind: what a write costs outside this process (the kernel's writeback,
+        # the other rank's writer, the hypervisor)
         nonlocal peak_rss
         before, threads_before = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
+        machine_before = machine_cpu.machine_cpu()
         started = time.time()
         workload.train(engine, 1, tokens, rank)
         end = time.time()
+        machine_after = machine_cpu.machine_cpu()
         after, threads_after = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
         cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         steps.append({"method": method, "start": started, "end": end, "cpu_s": cpu_s,
                       "page_faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt,
                       "threads_cpu_s": with_ended(cpu_delta(threads_before, threads_after), cpu_s),
-                      "dirty_bytes": dirty_bytes()})
+                      "dirty_bytes": dirty_bytes(), "machine_cpu_s": machine_cpu.delta(machine_before, machine_after)})
         peak_rss = max(peak_rss, proc.memory_info().rss)
 
     def agree(waiting: bool) -> bool:  # True while any rank still waits
