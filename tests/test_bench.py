@@ -463,3 +463,16 @@ def test_bench_records_the_machines_cpu_by_kind_in_each_step_and_charges_it_to_t
                 "user", "system", "steal", "idle"}, name
     ours = report["summary"]["methods"]["async_ckpt"]  # an O_DIRECT write: its costed steps are those it overlaps
     assert (ours["extra_machine_cpu_per_save_s"] is None) == (ours["steps_inside_windows"] == 0)
+
+
+def test_the_steps_before_a_save_leave_out_those_the_kernels_writeback_of_an_earlier_save_slowed():
+    from async_ckpt.bench.report import next_step_over_before
+
+    steps = [{"method": "stock", "start": float(t), "end": float(t) + d}
+             for t, d in zip((0, 1, 2, 4, 6, 8), (1.0, 1.0, 2.0, 2.0, 2.0, 1.5))]
+    saves = [{"start": 2.0, "call_s": 0.0, "durable_s": 0.0}, {"start": 8.0, "call_s": 0.0, "durable_s": 0.0}]
+    # the steps from 2 s to 8 s ran while the first save's bytes were written back: the second save's next
+    # step (1.5 s) is measured against the 1 s steps before the first save (+0.5 s), not those 2 s ones (-0.5 s);
+    # the first save's next step is +1 s either way
+    assert next_step_over_before(steps, "stock", saves, before=3, writeback_spans=[(2.0, 8.0)]) == pytest.approx(0.75)
+    assert next_step_over_before(steps, "stock", saves, before=3) == pytest.approx(0.25)
