@@ -1,0 +1,182 @@
+"""What writing to this machine's disk costs its CPUs, by how the write is issued, while every core is busy.
+
+On a virtual machine the hypervisor's disk emulation can run on the same physical cores as the guest's
+vCPUs; the guest sees that as ``steal`` in ``/proc/stat``. The save bench measured about a second of it
+per GB that async_ckpt wrote, in the step after each save. This probe takes DeepSpeed out: one busy
+loop per core stands in for training, and each mode writes the same bytes while the whole machine's CPU
+is counted by kind (:mod:`async_ckpt.bench.machine_cpu`). The modes ask whether a different way of
+writing would cost less: ``O_DIRECT`` in 4 MiB requests one at a time, in 32 MiB writes from two
+threads (as async_ckpt's local writer), from two processes at once (as two ranks), and through the page
+cache, either with fsync or left to the kernel's writeback (as stock DeepSpeed's ``torch.save``).
+Rounds alternate the modes, and idle rounds (sleeping) give the steal the machine shows anyway.
+
+Run: ``python -m async_ckpt.bench.write_steal --dir /var/tmp --gib 1 --rounds 3``. Figures:
+``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from async_ckpt.bench import machine_cpu, writeback
+from async_ckpt.storage.base import anonymous_memory
+
+MIB = 1 << 20
+GIB = 1 << 30
+#: memory the writes read from, reused for every request (on huge pages, like async_ckpt's buffers)
+SOURCE_BYTES = 64 * MIB
+
+_SPIN = "while True: pass"
+_MODULE = "async_ckpt.bench.write_steal"  # run as the writing children, also when this file is __main__
+
+
+def direct_write(path: str, nbytes: int, request: int, threads: int) -> None:
+    """Write ``nbytes`` to ``path`` with ``O_DIRECT`` in ``request``-byte positioned writes from ``threads``
+    threads, then fsync; the file is removed afterwards."""
+    source = anonymous_memory(SOURCE_BYTES)
+    source.write(b"\x01" * SOURCE_BYTES)
+    view = memoryview(source)
+    per = SOURCE_BYTES // request
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+    errors: list[BaseException] = []
+
+    def work(first: int) -> None:
+        try:
+            for i in range(first, nbytes // request, threads):
+                os.pwrite(fd, view[(i % per) * request:(i % per + 1) * request], i * request)
+        except BaseException as exc:  # raised below, on the calling thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        if errors:
+            raise errors[0]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        view.release()
+        source.close()
+
+
+def buffered_write(path: str, nbytes: int, *, fsync: bool, drain_cap_s: float = writeback.DRAIN_CAP_S) -> None:
+    """Write ``nbytes`` through the page cache; then fsync, or wait until the kernel has written the
+    system's dirty bytes back to where they were (at most ``drain_cap_s``). The file is removed afterwards."""
+    level = writeback.dirty_bytes()
+    chunk = b"\x01" * (4 * MIB)
+    try:
+        with open(path, "wb") as fh:
+            for _ in range(nbytes // len(chunk)):
+                fh.write(chunk)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        started = time.monotonic()
+        while not fsync and level is not None and time.monotonic() - started < drain_cap_s:
+            now = writeback.dirty_bytes()
+            if now is None or now <= level + writeback.SLACK_BYTES:
+                break
+            time.sleep(0.2)
+    finally:
+        os.unlink(path)
+
+
+def _in_processes(path: str, nbytes: int, request: int, threads: int, processes: int) -> None:
+    """:func:`direct_write` of ``nbytes / processes`` each from ``processes`` processes at once (as ranks)."""
+    children = [subprocess.Popen([sys.executable, "-m", _MODULE, "--child", f"{path}.{k}", str(nbytes // processes),
+                                  str(request), str(threads)]) for k in range(processes)]
+    codes = [child.wait() for child in children]
+    if any(codes):
+        raise RuntimeError(f"a writing process failed (exit codes {codes})")
+
+
+def modes(path: str, nbytes: int) -> dict[str, Callable[[], None]]:
+    """Each way of writing ``nbytes`` that the probe compares, by name."""
+    return {
+        "idle (sleep 5 s)": lambda: time.sleep(5.0),
+        "O_DIRECT, 4 MiB requests, 1 thread": lambda: direct_write(path, nbytes, 4 * MIB, 1),
+        "O_DIRECT, 32 MiB writes, 2 threads (async_ckpt)": lambda: direct_write(path, nbytes, 32 * MIB, 2),
+        "O_DIRECT, 32 MiB writes, 2 threads, 2 processes (two ranks)": lambda: _in_processes(path, nbytes, 32 * MIB, 2, 2),
+        "page cache + fsync": lambda: buffered_write(path, nbytes, fsync=True),
+        "page cache, kernel writeback (stock)": lambda: buffered_write(path, nbytes, fsync=False),
+    }
+
+
+def measure(run: Callable[[], None]) -> dict[str, float]:
+    """Wall seconds of ``run()`` and the machine's CPU seconds by kind over it."""
+    before, started = machine_cpu.machine_cpu(), time.monotonic()
+    run()
+    wall, used = time.monotonic() - started, machine_cpu.delta(before, machine_cpu.machine_cpu())
+    return {"wall_s": wall, **(used or {})}
+
+
+def probe(folder: str, nbytes: int, rounds: int, busy: int | None = None) -> dict:
+    """Every mode ``rounds`` times, alternating, with ``busy`` spinning processes (default: one per CPU).
+    Returns the rows and, per mode, the median steal per GiB written beyond the idle rounds' rate."""
+    busy = (os.cpu_count() or 1) if busy is None else busy
+    spinners = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(busy)]
+    path = os.path.join(tempfile.mkdtemp(prefix="write_steal_", dir=folder), "probe.bin")
+    rows = []
+    try:
+        time.sleep(1.0)
+        for r in range(rounds):
+            for name, run in modes(path, nbytes).items():
+                rows.append({"round": r, "mode": name, **measure(run)})
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+        os.rmdir(os.path.dirname(path))
+    idle = [row for row in rows if row["mode"].startswith("idle")]
+    rate = sum(row.get("steal", 0.0) for row in idle) / sum(row["wall_s"] for row in idle)
+    summary = {}
+    for name in modes(path, nbytes):
+        if name.startswith("idle"):
+            continue
+        extra = sorted((row.get("steal", 0.0) - rate * row["wall_s"]) / (nbytes / GIB) for row in rows if row["mode"] == name)
+        walls = sorted(row["wall_s"] for row in rows if row["mode"] == name)
+        summary[name] = {"extra_steal_s_per_gib": extra[len(extra) // 2], "extra_steal_s_per_gib_range": [extra[0], extra[-1]],
+                         "wall_s_median": walls[len(walls) // 2]}
+    return {"bytes": nbytes, "busy_processes": busy, "idle_steal_per_s": rate, "rows": rows, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        path, nbytes, request, threads = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+        direct_write(path, nbytes, request, threads)
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m async_ckpt.bench.write_steal", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="a folder on the disk to measure")
+    parser.add_argument("--gib", type=float, default=1.0, help="GiB written per mode and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--busy", type=int, default=None, help="spinning processes (default: one per CPU)")
+    parser.add_argument("--out", default=None, help="write the JSON here too")
+    args = parser.parse_args(argv)
+    nbytes = int(args.gib * GIB) // (64 * MIB) * (64 * MIB)
+    if nbytes <= 0 or args.rounds < 1:
+        raise SystemExit("--gib must be at least 1/16 and --rounds at least 1")
+    result = probe(args.dir, nbytes, args.rounds, args.busy)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    print(json.dumps({"idle_steal_per_s": result["idle_steal_per_s"], "summary": result["summary"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
