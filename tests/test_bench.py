@@ -275,13 +275,20 @@ def _assert_every_save_durable(data, methods):
         assert "skipped" not in data["summary"]["methods"][name], name
         for rank in data["ranks"]:
             saves = rank["methods"][name]["saves"]
-            assert len(saves) == data["config"]["saves"] == 2, name
+            assert len(saves) == data["config"]["saves"] * data["config"]["rounds"] and data["config"]["saves"] == 2, name
             assert all(save["durable_s"] is not None and save["durable_s"] > 0 for save in saves), name
         assert data["summary"]["methods"][name]["bytes_per_save"] > 0, name
 
 
-def test_bench_mlp_workload_trains_the_linear_stack_and_saves_with_each_method(tmp_path):
-    data = _quick_bench(tmp_path, "--workload", "mlp", "--methods", "stock,async_ckpt")
+@pytest.fixture(scope="module")
+def mlp_rounds(tmp_path_factory):
+    """One --quick run of the MLP workload, stock and async_ckpt taking turns twice."""
+    return _quick_bench(tmp_path_factory.mktemp("mlp_rounds"), "--workload", "mlp", "--methods", "stock,async_ckpt",
+                        "--rounds", "2")
+
+
+def test_bench_mlp_workload_trains_the_linear_stack_and_saves_with_each_method(mlp_rounds):
+    data = mlp_rounds
     assert data["config"]["workload"] == "mlp" and data["config"]["size"] == "tiny"
     _assert_every_save_durable(data, ["stock", "async_ckpt"])
     from async_ckpt.workload import MLP_SIZES
@@ -289,6 +296,26 @@ def test_bench_mlp_workload_trains_the_linear_stack_and_saves_with_each_method(t
     n_linear, width, _ = MLP_SIZES["tiny"]
     fp32_adam_state = n_linear * (width * width + width) * 12  # master weights and two moments, over the ranks
     assert data["summary"]["methods"]["async_ckpt"]["bytes_per_save"] > fp32_adam_state
+
+
+def test_bench_rounds_let_the_methods_take_turns_and_gather_every_rounds_saves(mlp_rounds):
+    saves_per_round = mlp_rounds["config"]["saves"]
+    for rank in mlp_rounds["ranks"]:
+        for name in ("stock", "async_ckpt"):
+            saves = rank["methods"][name]["saves"]
+            assert [(s["round"], s["index"]) for s in saves] == [(r, i) for r in (0, 1) for i in range(saves_per_round)]
+        turns = [step["method"] for step in rank["steps"] if step["method"] != "warmup"]
+        assert [m for i, m in enumerate(turns) if i == 0 or turns[i - 1] != m] == ["stock", "async_ckpt"] * 2
+    assert mlp_rounds["summary"]["methods"]["async_ckpt"]["first_vs_steady_stall"] is not None
+
+
+def test_bench_refuses_rounds_below_one_and_rounds_of_tiered_runs(tmp_path):
+    from async_ckpt.bench.save_bench import BenchConfig
+
+    with pytest.raises(SystemExit, match="--rounds"):
+        run(BenchConfig.quick(rounds=0, out=str(tmp_path)))
+    with pytest.raises(SystemExit, match="--rounds"):
+        run(BenchConfig.quick(target="tiered", rounds=2, out=str(tmp_path)))
 
 
 def test_bench_writer_process_prototype_writes_the_same_bytes_as_the_writer_thread(tmp_path):

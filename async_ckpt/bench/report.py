@@ -85,7 +85,9 @@ def summarize(report: dict) -> dict:
         stall = _median(per_save_stall)
         durable = _median(per_save_durable)
         gbps = total_bytes / durable / GB if durable else None
-        steady = _median(per_save_stall[1:])
+        # with --rounds, each round wraps the engine anew: every round's first save is a first save
+        steady = _median([stall for i, (save, stall) in enumerate(zip(first["saves"], per_save_stall))
+                          if save.get("index", i) > 0])
         entry = {
             "stall_s": stall, "durable_s": durable, "bytes_per_save": total_bytes, "persist_gbps": gbps,
             "first_stall_s": per_save_stall[0] if per_save_stall else None,
@@ -212,7 +214,8 @@ def table(report: dict) -> str:
         f"{_threads(report['ranks'])}, "
         f"workload {cfg.get('workload', 'gpt')} '{cfg['size']}'"
         f"{'' if cfg.get('micro_batch') is None else ' at micro-batch ' + str(cfg['micro_batch'])}, "
-        f"target {report['target']['kind']}, {cfg['saves']} saves x {cfg['steps_between']} steps",
+        f"target {report['target']['kind']}, {cfg['saves']} saves x {cfg['steps_between']} steps"
+        f"{'' if cfg.get('rounds', 1) == 1 else ' in each of ' + str(cfg['rounds']) + ' rounds (the methods taking turns)'}",
         "",
         f"checkpoint {floor['bytes'] / GB:.3f} GB per save (all ranks); floors: copy {floor['copy_s'] * 1000:.1f} ms "
         f"({floor['copy_gbps']:.1f} GB/s per rank), local write+fsync {floor['local_write_gbps']:.2f} GB/s"

@@ -5,7 +5,9 @@ Run ``async-ckpt bench`` (or ``python -m async_ckpt.bench.save_bench``); ``--qui
 ``--target tiered`` for tiered checkpoints (local tier, then S3) and restarts (:mod:`async_ckpt.bench.tiered`).
 ``--workload mlp`` trains a stack of large Linear layers instead of the small GPT model: long, CPU-heavy
 steps and ~0.9 GB of ZeRO-3 fp32 state per save (see :data:`async_ckpt.workload.MLP_SIZES`).
-Methods run one after the other on the same engine and steps, so ratios hold on a noisy machine.
+Methods run one after the other on the same engine and steps, so ratios hold on a noisy machine; with
+``--rounds N`` they take turns N times (each round wraps the engine anew), so that the drift in step time
+over a run, often as large as what a save costs, falls on every method alike.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class BenchConfig:
     # at most this long (async_ckpt.bench.writeback); the smoke run waits less, for a suite whose other
     # tests write beside it
     writeback_cap_s: float = DRAIN_CAP_S
+    # how many times the methods take turns, each time with `saves` saves (results gather every round's)
+    rounds: int = 1
 
     @classmethod
     def quick(cls, **overrides: Any) -> "BenchConfig":
@@ -121,15 +125,13 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    step("warmup")
-    results: dict[str, Any] = {}
-    for name in cfg["methods"]:
+    def turn(name: str, round_: int) -> dict:
+        """One turn of method ``name``: wrap, ``saves`` saves with their steps, drain, unwrap; its raw figures."""
         dist.barrier()
         try:
             method = METHODS[name](engine, target, rank)
         except Exception as exc:
-            results[name] = {"skipped": f"{type(exc).__name__}: {exc}"}
-            continue
+            return {"skipped": f"{type(exc).__name__}: {exc}"}
         saves = []
         for i in range(cfg["saves"]):
             for _ in range(cfg["steps_between"]):
@@ -137,9 +139,9 @@ def bench_rank(cfg: dict, target: dict) -> dict:
                 method.poll()
             dirty_before = dirty_bytes()
             started = time.time()
-            method.save(f"{name}-{i}")
+            method.save(f"{name}-{round_}-{i}")
             saves.append({"start": started, "call_s": time.time() - started, "dirty_before": dirty_before,
-                          "dirty_after": dirty_bytes()})
+                          "dirty_after": dirty_bytes(), "round": round_, "index": i})
         for _ in range(cfg["steps_between"]):
             step(name)
             method.poll()
@@ -165,8 +167,20 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             entry["staging_bytes"] = method.staging_bytes
         method.close()
         method.discard()
-        results[name] = entry
-        peak_rss = max(peak_rss, proc.memory_info().rss)
+        return entry
+
+    step("warmup")
+    results: dict[str, Any] = {}
+    for round_ in range(cfg["rounds"]):
+        for name in cfg["methods"]:
+            if "skipped" in results.get(name, {}):
+                continue
+            entry = turn(name, round_)
+            if name in results and "skipped" not in entry:
+                _gather_round(results[name], entry)
+            else:
+                results[name] = entry
+            peak_rss = max(peak_rss, proc.memory_info().rss)
     ours = next((entry["bytes_per_save"] for name, entry in results.items()  # this rank's share of a checkpoint
                  if name.startswith("async_ckpt") and entry.get("bytes_per_save")), None)
     nbytes = ours or 64 * 1024 * 1024
@@ -180,6 +194,16 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         floor["s3_upload_s"] = floors.s3_upload_floor_s(nbytes, target["url"], target["storage_options"])
     return {"rank": rank, "methods": results, "floor": floor, "steps": steps, "peak_rss": peak_rss,
             "micro_batch": engine.train_micro_batch_size_per_gpu(), "threads": torch.get_num_threads()}
+
+
+def _gather_round(into: dict, entry: dict) -> None:
+    """Add a later round's raw figures of one method (``entry``) to its first round's (``into``): every save,
+    the finish waits summed, written back only where every round's was. Staging and RSS stay the first
+    round's: each round wraps the engine anew, so its first save allocates staging again."""
+    into["saves"] += entry["saves"]
+    into["finish_wait_s"] += entry["finish_wait_s"]
+    drained = (into["written_back"], entry["written_back"])
+    into["written_back"] = None if None in drained else all(drained)
 
 
 def _machine() -> dict:
@@ -225,12 +249,13 @@ def run(cfg: BenchConfig) -> dict:
     sizes = MLP_SIZES if cfg.workload == "mlp" else SIZES
     if cfg.size not in sizes:
         raise SystemExit(f"--workload {cfg.workload} has no size {cfg.size!r}; choose from {list(sizes)}")
-    for flag, value in (("--threads-per-rank", cfg.threads_per_rank), ("--micro-batch", cfg.micro_batch)):
+    for flag, value in (("--threads-per-rank", cfg.threads_per_rank), ("--micro-batch", cfg.micro_batch),
+                        ("--rounds", cfg.rounds)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise SystemExit(f"{flag} must be a positive integer, got {value!r}")
     if cfg.target == "tiered":
-        if cfg.workload != "gpt":
-            raise SystemExit("--target tiered trains the gpt workload only")
+        if cfg.workload != "gpt" or cfg.rounds != 1:
+            raise SystemExit("--target tiered trains the gpt workload only, in one round (drop --workload/--rounds)")
         from async_ckpt.bench.tiered import run as run_tiered
 
         return run_tiered(cfg)
@@ -281,6 +306,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shares them out as DeepSpeed's launcher with --bind_cores_to_rank does)")
     parser.add_argument("--saves", type=int, default=None, help="saves per method")
     parser.add_argument("--steps-between", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="how many times the methods take turns (each with --saves saves), so that the run's "
+                             "drift in step time falls on every method alike")
     parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
                         help="tiered: saves to a node-local tier drained to S3 (moto, or --url), and restart times")
     parser.add_argument("--url", default=None, help="s3://bucket/prefix (default: an embedded moto server)")
@@ -311,7 +339,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                           "url": args.url, "endpoint": args.endpoint,
                           "methods": [m for m in args.methods.split(",") if m], "out": args.out,
                           "workdir": args.workdir, "workload": args.workload, "micro_batch": args.micro_batch,
-                          "threads_per_rank": args.threads_per_rank})
+                          "threads_per_rank": args.threads_per_rank, "rounds": args.rounds})
 
 
 def main(argv: list[str] | None = None) -> int:
