@@ -484,6 +484,8 @@ def test_bench_records_the_machines_cpu_by_kind_in_each_step_and_charges_it_to_t
     for rank in report["ranks"]:
         assert all(set(step["machine_cpu_s"]) == {"user", "system", "steal", "idle"} for step in rank["steps"])
         assert sum(step["machine_cpu_s"]["user"] for step in rank["steps"]) > 0
+        assert all(set(save["machine_cpu_s"]) == {"user", "system", "steal", "idle"}  # each save's call too
+                   for method in rank["methods"].values() for save in method.get("saves", []))
     for name, m in report["summary"]["methods"].items():
         if "skipped" not in m:
             assert m["extra_machine_cpu_per_save_s"] is None or set(m["extra_machine_cpu_per_save_s"]) == {
@@ -503,3 +505,13 @@ def test_the_steps_before_a_save_leave_out_those_the_kernels_writeback_of_an_ear
     # the first save's next step is +1 s either way
     assert next_step_over_before(steps, "stock", saves, before=3, writeback_spans=[(2.0, 8.0)]) == pytest.approx(0.75)
     assert next_step_over_before(steps, "stock", saves, before=3) == pytest.approx(0.25)
+
+
+def test_bench_deletes_each_methods_checkpoints_and_syncs_before_the_next_method_trains(bench):
+    out, report = bench
+    for rank in report["ranks"]:
+        for name, method in rank["methods"].items():
+            if "skipped" not in method:
+                assert method["discard_s"] >= 0, name
+    if report["target"]["kind"] == "local":
+        assert not any((out / "work").glob("*/global_step*")) and not any((out / "work").rglob("*.pt"))

@@ -143,10 +143,14 @@ def summarize(report: dict) -> dict:
         # the same, counting also the steps until the kernel wrote the saves' page-cache bytes back; the
         # signed extra is kept unclipped too, since over many steps it is mostly the run's step-time noise
         spans = writeback_spans[name]
-        # the whole machine's CPU in the steps from each save's return until it is durable and written back:
-        # the cost that step times, drifting by as much over a run, cannot settle
+        # the whole machine's CPU in each save's call and in the steps from its return until it is durable and
+        # written back: the cost that step times, drifting by as much over a run, cannot settle (the kernel
+        # also writes earlier saves' bytes back inside a page-cache save's call, when the dirty pages reach
+        # its limit)
+        calls = [{"start": c["start"], "end": c["start"] + c["call_s"], "machine_cpu_s": c.get("machine_cpu_s")}
+                 for c in ranks[0]["methods"][name]["saves"]]
         costed = [s for s in rank0_steps if s["method"] == name and _overlaps(s, ws + (spans or []))]
-        methods[name]["extra_machine_cpu_per_save_s"] = machine_cpu.extra_per_save(costed, outside_steps, saves)
+        methods[name]["extra_machine_cpu_per_save_s"] = machine_cpu.extra_per_save(costed + calls, outside_steps, saves)
         for key in ("steps_inside_writeback_windows", "writeback_extra_signed_per_save_s",
                     "writeback_extra_signed_vs_own_steps_per_save_s", "lost_incl_writeback_per_save_s"):
             methods[name][key] = None
@@ -262,10 +266,11 @@ def table(report: dict) -> str:
     costed = {name: m["extra_machine_cpu_per_save_s"] for name, m in s["methods"].items()
               if m.get("extra_machine_cpu_per_save_s")}
     if costed:
-        lines += ["", "The whole machine's CPU (`/proc/stat`, all cores) in rank 0's steps from each save's return "
-                  "until it was durable and written back, beyond what ordinary steps used in the same time, per "
-                  "save (a cost outside this process: the kernel's writeback, the other rank's writer, the "
-                  "hypervisor's `steal`):", "",
+        lines += ["", "The whole machine's CPU (`/proc/stat`, all cores) in each save's call and in rank 0's steps "
+                  "from its return until it was durable and written back, beyond what ordinary steps used in the "
+                  "same time, per save (what a save costs outside the training: the kernel's writeback, the other "
+                  "rank's writer, the hypervisor's `steal`; by kind, since training's share only moves between them):",
+                  "",
                   "| method | " + " | ".join(machine_cpu.KINDS) + " | system + steal |",
                   "|---|" + "---|" * (len(machine_cpu.KINDS) + 1)]
         for name, extra in costed.items():
