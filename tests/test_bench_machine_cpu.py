@@ -41,6 +41,14 @@ def test_extra_per_save_is_what_the_steps_used_beyond_the_ordinary_rate_in_the_s
     assert extra == pytest.approx({"user": -0.4, "system": 0.2, "steal": 0.2, "idle": 0.0})
 
 
+def test_a_few_ordinary_steps_with_steal_do_not_set_the_ordinary_rate():
+    # a method's first step after the previous one's checkpoints were deleted: one second of steal
+    outside = [_step("x", float(t), 1.0) for t in range(4)] + [_step("x", 4.0, 1.0, user=1.0, steal=1.0)]
+    inside = [_step("x", 5.0, 1.0, user=1.5, steal=0.5)]
+    assert extra_per_save(inside, outside, saves=1) == pytest.approx({"user": -0.5, "system": 0.0, "steal": 0.5,
+                                                                      "idle": 0.0})
+
+
 def test_extra_per_save_is_unmeasured_without_readings_on_both_sides():
     reading = _step("x", 0.0, 1.0)
     assert extra_per_save([reading], [{**reading, "machine_cpu_s": None}], saves=1) is None

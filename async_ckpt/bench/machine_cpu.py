@@ -12,6 +12,7 @@ kind says what a save costs where the step times cannot.
 from __future__ import annotations
 
 import os
+import statistics
 
 STAT = "/proc/stat"
 
@@ -45,15 +46,18 @@ def delta(before: dict[str, float] | None, after: dict[str, float] | None) -> di
 
 
 def extra_per_save(inside: list[dict], outside: list[dict], saves: int) -> dict[str, float] | None:
-    """Per kind, the seconds the ``inside`` steps used beyond what the ``outside`` steps used in the same
-    wall time (their rate per second times each inside step's duration), summed and divided by ``saves``.
-    Steps carry ``start``, ``end`` and ``machine_cpu_s`` (a :func:`delta`); ``None`` without readings on
-    both sides or without a save."""
+    """Per kind, the seconds the ``inside`` steps used beyond what ordinary steps use in the same wall time
+    (the median over the ``outside`` steps of their rate per second, times each inside step's duration),
+    summed and divided by ``saves``. The median, because a few ordinary steps are not quiet: each method's
+    first ones carry its wrap (fresh staging memory) and the deletion of the previous method's checkpoints,
+    up to a second of steal, which a mean would spread over every step of the run. Steps carry ``start``,
+    ``end`` and ``machine_cpu_s`` (a :func:`delta`); ``None`` without readings on both sides or without a
+    save."""
     inside = [s for s in inside if s.get("machine_cpu_s")]
-    outside = [s for s in outside if s.get("machine_cpu_s")]
-    wall = sum(s["end"] - s["start"] for s in outside)
-    if not inside or wall <= 0 or saves < 1:
+    outside = [s for s in outside if s.get("machine_cpu_s") and s["end"] > s["start"]]
+    if not inside or not outside or saves < 1:
         return None
-    rates = {kind: sum(s["machine_cpu_s"][kind] for s in outside) / wall for kind in KINDS}
+    rates = {kind: statistics.median(s["machine_cpu_s"][kind] / (s["end"] - s["start"]) for s in outside)
+             for kind in KINDS}
     return {kind: sum(s["machine_cpu_s"][kind] - rates[kind] * (s["end"] - s["start"]) for s in inside) / saves
             for kind in KINDS}

@@ -169,9 +169,8 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         method.close()
         discard_started = time.time()
         method.discard()
-        # on a disk mounted with online discard (`-o discard`), deleting the checkpoints has the device trim
-        # their blocks at the next journal commit: on a VM, seconds of hypervisor CPU. Synced here, that falls
-        # between two methods, not on the next one's first steps (which count as ordinary ones)
+        # deleting the checkpoints leaves work for the device (on a disk mounted with online discard, trims at
+        # the next journal commit); synced here, so that it is done before the next method trains
         os.sync()
         entry["discard_s"] = time.time() - discard_started
         return entry
@@ -205,10 +204,11 @@ def bench_rank(cfg: dict, target: dict) -> dict:
 
 def _gather_round(into: dict, entry: dict) -> None:
     """Add a later round's raw figures of one method (``entry``) to its first round's (``into``): every save,
-    the finish waits summed, written back only where every round's was. Staging and RSS stay the first
+    the finish waits and deletions summed, written back only where every round's was. Staging and RSS stay the first
     round's: each round wraps the engine anew, so its first save allocates staging again."""
     into["saves"] += entry["saves"]
     into["finish_wait_s"] += entry["finish_wait_s"]
+    into["discard_s"] += entry["discard_s"]
     drained = (into["written_back"], entry["written_back"])
     into["written_back"] = None if None in drained else all(drained)
 

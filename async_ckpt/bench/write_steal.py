@@ -35,12 +35,14 @@ GIB = 1 << 30
 SOURCE_BYTES = 64 * MIB
 
 _SPIN = "while True: pass"
+IDLE = "idle (sleep 5 s)"
+DELETE = "delete + sync"
 _MODULE = "async_ckpt.bench.write_steal"  # run as the writing children, also when this file is __main__
 
 
 def direct_write(path: str, nbytes: int, request: int, threads: int) -> None:
     """Write ``nbytes`` to ``path`` with ``O_DIRECT`` in ``request``-byte positioned writes from ``threads``
-    threads, then fsync; the file is removed afterwards."""
+    threads, then fsync (the file stays: :func:`delete` removes it, measured apart)."""
     source = anonymous_memory(SOURCE_BYTES)
     source.write(b"\x01" * SOURCE_BYTES)
     view = memoryview(source)
@@ -66,31 +68,36 @@ def direct_write(path: str, nbytes: int, request: int, threads: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-        os.unlink(path)
         view.release()
         source.close()
 
 
 def buffered_write(path: str, nbytes: int, *, fsync: bool, drain_cap_s: float = writeback.DRAIN_CAP_S) -> None:
     """Write ``nbytes`` through the page cache; then fsync, or wait until the kernel has written the
-    system's dirty bytes back to where they were (at most ``drain_cap_s``). The file is removed afterwards."""
+    system's dirty bytes back to where they were (at most ``drain_cap_s``). The file stays (:func:`delete`)."""
     level = writeback.dirty_bytes()
     chunk = b"\x01" * (4 * MIB)
-    try:
-        with open(path, "wb") as fh:
-            for _ in range(nbytes // len(chunk)):
-                fh.write(chunk)
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        started = time.monotonic()
-        while not fsync and level is not None and time.monotonic() - started < drain_cap_s:
-            now = writeback.dirty_bytes()
-            if now is None or now <= level + writeback.SLACK_BYTES:
-                break
-            time.sleep(0.2)
-    finally:
-        os.unlink(path)
+    with open(path, "wb") as fh:
+        for _ in range(nbytes // len(chunk)):
+            fh.write(chunk)
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
+    started = time.monotonic()
+    while not fsync and level is not None and time.monotonic() - started < drain_cap_s:
+        now = writeback.dirty_bytes()
+        if now is None or now <= level + writeback.SLACK_BYTES:
+            break
+        time.sleep(0.2)
+
+
+def delete(folder: str) -> None:
+    """Remove every file in ``folder`` and sync: on a disk mounted with online discard (``-o discard``) the
+    device trims the freed blocks at the journal's commit, which on a VM costs the hypervisor CPU too; synced
+    here, that cost is measured on its own instead of landing in the next mode's figures."""
+    for name in os.listdir(folder):
+        os.unlink(os.path.join(folder, name))
+    os.sync()
 
 
 def _in_processes(path: str, nbytes: int, request: int, threads: int, processes: int) -> None:
@@ -105,7 +112,7 @@ def _in_processes(path: str, nbytes: int, request: int, threads: int, processes:
 def modes(path: str, nbytes: int) -> dict[str, Callable[[], None]]:
     """Each way of writing ``nbytes`` that the probe compares, by name."""
     return {
-        "idle (sleep 5 s)": lambda: time.sleep(5.0),
+        IDLE: lambda: time.sleep(5.0),
         "O_DIRECT, 4 MiB requests, 1 thread": lambda: direct_write(path, nbytes, 4 * MIB, 1),
         "O_DIRECT, 32 MiB writes, 2 threads (async_ckpt)": lambda: direct_write(path, nbytes, 32 * MIB, 2),
         "O_DIRECT, 32 MiB writes, 2 threads, 2 processes (two ranks)": lambda: _in_processes(path, nbytes, 32 * MIB, 2, 2),
@@ -124,32 +131,50 @@ def measure(run: Callable[[], None]) -> dict[str, float]:
 
 def probe(folder: str, nbytes: int, rounds: int, busy: int | None = None) -> dict:
     """Every mode ``rounds`` times, alternating, with ``busy`` spinning processes (default: one per CPU).
-    Returns the rows and, per mode, the median steal per GiB written beyond the idle rounds' rate."""
+    Each write is followed by the deletion of its file, measured as a row of its own. Returns the rows and
+    their :func:`summarize`."""
     busy = (os.cpu_count() or 1) if busy is None else busy
     spinners = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(busy)]
     path = os.path.join(tempfile.mkdtemp(prefix="write_steal_", dir=folder), "probe.bin")
+    folder = os.path.dirname(path)
     rows = []
     try:
         time.sleep(1.0)
         for r in range(rounds):
             for name, run in modes(path, nbytes).items():
                 rows.append({"round": r, "mode": name, **measure(run)})
+                if name != IDLE:
+                    rows.append({"round": r, "mode": f"{name}: {DELETE}", **measure(lambda: delete(folder))})
     finally:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-        os.rmdir(os.path.dirname(path))
-    idle = [row for row in rows if row["mode"].startswith("idle")]
-    rate = sum(row.get("steal", 0.0) for row in idle) / sum(row["wall_s"] for row in idle)
+        delete(folder)
+        os.rmdir(folder)
+    return {"bytes": nbytes, "busy_processes": busy, "rows": rows, **summarize(rows, nbytes)}
+
+
+def summarize(rows: list[dict], nbytes: int) -> dict:
+    """Per write mode, and for the deletions over all modes: the median and range of the steal per GiB
+    written, as measured and beyond the quietest idle round's rate, and the median wall time.
+
+    The quietest idle round, because a deletion's trims can run on for seconds after its sync, into the
+    next round's idle one; the figure as measured bounds the cost from above."""
+    rate = min(row.get("steal", 0.0) / row["wall_s"] for row in rows if row["mode"] == IDLE)
+    gib = nbytes / GIB
     summary = {}
-    for name in modes(path, nbytes):
-        if name.startswith("idle"):
-            continue
-        extra = sorted((row.get("steal", 0.0) - rate * row["wall_s"]) / (nbytes / GIB) for row in rows if row["mode"] == name)
-        walls = sorted(row["wall_s"] for row in rows if row["mode"] == name)
-        summary[name] = {"extra_steal_s_per_gib": extra[len(extra) // 2], "extra_steal_s_per_gib_range": [extra[0], extra[-1]],
-                         "wall_s_median": walls[len(walls) // 2]}
-    return {"bytes": nbytes, "busy_processes": busy, "idle_steal_per_s": rate, "rows": rows, "summary": summary}
+    names = [name for name in dict.fromkeys(row["mode"] for row in rows) if name != IDLE and not name.endswith(DELETE)]
+    for label in [*names, DELETE]:
+        chosen = [row for row in rows if (row["mode"].endswith(DELETE) if label == DELETE else row["mode"] == label)]
+        if chosen:
+            measured = sorted(row.get("steal", 0.0) / gib for row in chosen)
+            extra = sorted((row.get("steal", 0.0) - rate * row["wall_s"]) / gib for row in chosen)
+            walls = sorted(row["wall_s"] for row in chosen)
+            summary[label] = {"steal_s_per_gib": measured[len(measured) // 2],
+                              "extra_steal_s_per_gib": extra[len(extra) // 2],
+                              "extra_steal_s_per_gib_range": [extra[0], extra[-1]],
+                              "wall_s_median": walls[len(walls) // 2]}
+    return {"idle_steal_per_s": rate, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
