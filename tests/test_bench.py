@@ -306,7 +306,17 @@ def test_bench_rounds_let_the_methods_take_turns_and_gather_every_rounds_saves(m
             assert [(s["round"], s["index"]) for s in saves] == [(r, i) for r in (0, 1) for i in range(saves_per_round)]
         turns = [step["method"] for step in rank["steps"] if step["method"] != "warmup"]
         assert [m for i, m in enumerate(turns) if i == 0 or turns[i - 1] != m] == ["stock", "async_ckpt"] * 2
-    assert mlp_rounds["summary"]["methods"]["async_ckpt"]["first_vs_steady_stall"] is not None
+
+
+def test_bench_rounds_leave_every_rounds_first_save_out_of_the_steady_stall(mlp_rounds):
+    import statistics
+
+    ranks = mlp_rounds["ranks"]
+    saves = ranks[0]["methods"]["async_ckpt"]["saves"]
+    stalls = [max(r["methods"]["async_ckpt"]["saves"][i]["call_s"] + r["methods"]["async_ckpt"]["saves"][i]["extra_stall_s"]
+                  for r in ranks) for i in range(len(saves))]
+    steady = statistics.median(stall for stall, save in zip(stalls, saves) if save["index"] > 0)
+    assert mlp_rounds["summary"]["methods"]["async_ckpt"]["first_vs_steady_stall"] == pytest.approx(stalls[0] / steady)
 
 
 def test_bench_refuses_rounds_below_one_and_rounds_of_tiered_runs(tmp_path):
@@ -490,28 +500,15 @@ def test_bench_records_the_machines_cpu_by_kind_in_each_step_and_charges_it_to_t
         if "skipped" not in m:
             assert m["extra_machine_cpu_per_save_s"] is None or set(m["extra_machine_cpu_per_save_s"]) == {
                 "user", "system", "steal", "idle"}, name
-    ours = report["summary"]["methods"]["async_ckpt"]  # an O_DIRECT write: its costed steps are those it overlaps
-    assert (ours["extra_machine_cpu_per_save_s"] is None) == (ours["steps_inside_windows"] == 0)
+    # every save call is costed, with or without steps inside its write
+    assert set(report["summary"]["methods"]["async_ckpt"]["extra_machine_cpu_per_save_s"]) == {
+        "user", "system", "steal", "idle"}
 
 
-def test_the_steps_before_a_save_leave_out_those_the_kernels_writeback_of_an_earlier_save_slowed():
-    from async_ckpt.bench.report import next_step_over_before
-
-    steps = [{"method": "stock", "start": float(t), "end": float(t) + d}
-             for t, d in zip((0, 1, 2, 4, 6, 8), (1.0, 1.0, 2.0, 2.0, 2.0, 1.5))]
-    saves = [{"start": 2.0, "call_s": 0.0, "durable_s": 0.0}, {"start": 8.0, "call_s": 0.0, "durable_s": 0.0}]
-    # the steps from 2 s to 8 s ran while the first save's bytes were written back: the second save's next
-    # step (1.5 s) is measured against the 1 s steps before the first save (+0.5 s), not those 2 s ones (-0.5 s);
-    # the first save's next step is +1 s either way
-    assert next_step_over_before(steps, "stock", saves, before=3, writeback_spans=[(2.0, 8.0)]) == pytest.approx(0.75)
-    assert next_step_over_before(steps, "stock", saves, before=3) == pytest.approx(0.25)
-
-
-def test_bench_deletes_each_methods_checkpoints_and_syncs_before_the_next_method_trains(bench):
+def test_bench_deletes_each_methods_checkpoints_before_the_next_method_trains(bench):
     out, report = bench
     for rank in report["ranks"]:
-        for name, method in rank["methods"].items():
-            if "skipped" not in method:
-                assert method["discard_s"] >= 0, name
+        assert all(isinstance(method["discard_s"], float) for method in rank["methods"].values()
+                   if "skipped" not in method)
     if report["target"]["kind"] == "local":
         assert not any((out / "work").glob("*/global_step*")) and not any((out / "work").rglob("*.pt"))

@@ -21,7 +21,7 @@ def test_a_direct_write_that_fails_raises(tmp_path):
         direct_write(str(tmp_path / "probe.bin"), 64 * MIB, 1000, 1)  # not a multiple of any block size
 
 
-def test_the_probe_alternates_the_modes_each_round_and_measures_each_writes_deletion_apart(tmp_path):
+def test_the_probe_measures_each_mode_in_turn_and_each_writes_deletion_apart(tmp_path):
     result = probe(str(tmp_path), 64 * MIB, rounds=1, busy=1)
     writes = [name for name in modes("x", 64 * MIB) if name != IDLE]
     assert [row["mode"] for row in result["rows"]] == [IDLE] + [m for w in writes for m in (w, f"{w}: {DELETE}")]

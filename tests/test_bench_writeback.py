@@ -33,6 +33,15 @@ def test_a_save_that_left_its_bytes_in_the_page_cache_is_open_until_a_step_finds
     assert windows(steps, "stock", [save]) == [(10.0, 13.0)]
 
 
+def test_a_save_whose_bytes_were_never_written_back_in_its_round_is_open_to_that_rounds_last_step_only():
+    first, t = _steps("stock", 10.0, [1.0, 1.0], [2 * GIB, 2 * GIB])  # capped: still dirty at the round's end
+    second, _ = _steps("stock", t + 50.0, [1.0, 1.0], [0, 0])  # the next round, after other methods' turns
+    for step in second:
+        step["round"] = 1
+    save = {"start": 9.0, "call_s": 1.0, "dirty_before": 0, "dirty_after": 2 * GIB, "round": 0}
+    assert windows(first + second, "stock", [save]) == [(10.0, 12.0)]
+
+
 def test_a_save_made_while_an_earlier_ones_bytes_are_written_back_is_open_until_all_are():
     # the second save returns with fewer dirty bytes than before it: older ones were written back meanwhile
     steps, _ = _steps("stock", 10.0, [1.0, 1.0, 1.0, 1.0, 1.0], [2 * GIB, 3 * GIB, 2 * GIB, 0, 0])

@@ -33,7 +33,7 @@ def machine_cpu(stat: str = STAT) -> dict[str, float] | None:
         return None
     if line is None or len(line.split()) < 1 + len(_COLUMNS):
         return None
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    tick = os.sysconf("SC_CLK_TCK")
     columns = dict(zip(_COLUMNS, (int(v) / tick for v in line.split()[1:])))
     return {kind: sum(columns[c] for c in parts) for kind, parts in KINDS.items()}
 

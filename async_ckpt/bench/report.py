@@ -22,18 +22,15 @@ def _overlaps(step: dict, spans: list[tuple[float, float]]) -> bool:
     return any(a < step["end"] and step["start"] < b for a, b in spans)
 
 
-def next_step_over_before(steps: list[dict], method: str, saves: list[dict], before: int = 10,
-                          writeback_spans: list[tuple[float, float]] | None = None) -> float | None:
+def next_step_over_before(steps: list[dict], method: str, saves: list[dict], before: int = 10) -> float | None:
     """How much longer the step right after a save ran than the median of the ``before`` steps just
     before that save (the same method's, on one rank, outside any of its saves' windows from the call
-    to durable and outside ``writeback_spans``, where the kernel was writing its page-cache bytes back),
-    median over the saves; ``None`` where no save has such steps before it.
+    to durable), median over the saves; ``None`` where no save has such steps before it.
 
     The run's median step drifts by tens of percent over a run on a shared machine (and on a GPU whose
     training thread is launch-bound), more than a background write slows a step; against the steps
     right before each save, what the save costs its next step shows through that drift."""
     windows = [(s["start"], s["start"] + max(s["call_s"], s.get("durable_s") or 0.0)) for s in saves]
-    windows += writeback_spans or []
     own = [s for s in steps if s["method"] == method]
     clean = [s for s in own if not _overlaps(s, windows)]
     extras = []
@@ -103,6 +100,7 @@ def summarize(report: dict) -> dict:
             entry["rss_growth_over_saves"] = (rss[-1] - rss[1]) / rss[1] if len(rss) > 2 else None
             entry["staging_bytes"] = sum(r["methods"][name]["staging_bytes"][-1] for r in ranks)
             entry["staging_flat"] = all(len(set(r["methods"][name]["staging_bytes"])) == 1 for r in ranks)
+        entry["next_step_over_before_s"] = next_step_over_before(rank0_steps, name, first["saves"])
         if name == "stock":
             stock_stall = stall
         methods[name] = entry
@@ -115,8 +113,6 @@ def summarize(report: dict) -> dict:
         methods[name]["writeback_window_s"] = writeback.union_s(spans) if spans is not None else None
         drained = [r["methods"][name].get("written_back") for r in ranks]
         methods[name]["written_back"] = None if None in drained else all(drained)
-        methods[name]["next_step_over_before_s"] = next_step_over_before(
-            rank0_steps, name, ranks[0]["methods"][name]["saves"], writeback_spans=spans)
     outside_steps = [s for s in rank0_steps
                      if not any(_overlaps(s, spans or []) for spans in (*windows.values(), *writeback_spans.values()))]
     outside = [s["end"] - s["start"] for s in outside_steps]

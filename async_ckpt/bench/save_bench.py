@@ -99,7 +99,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     peak_rss = proc.memory_info().rss
     steps: list[dict] = []
 
-    def step(method: str) -> None:
+    def step(method: str, round_: int = 0) -> None:
         # the rank's CPU time over all its threads (the writer's too) and its page faults, per step:
         # what a background write adds to the steps it overlaps, on a machine with no idle core
         # (and by thread: the training thread's, the writer's pools', PyTorch's and gloo's native threads);
@@ -114,7 +114,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         machine_after = machine_cpu.machine_cpu()
         after, threads_after = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
         cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-        steps.append({"method": method, "start": started, "end": end, "cpu_s": cpu_s,
+        steps.append({"method": method, "round": round_, "start": started, "end": end, "cpu_s": cpu_s,
                       "page_faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt,
                       "threads_cpu_s": with_ended(cpu_delta(threads_before, threads_after), cpu_s),
                       "dirty_bytes": dirty_bytes(), "machine_cpu_s": machine_cpu.delta(machine_before, machine_after)})
@@ -135,7 +135,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         saves = []
         for i in range(cfg["saves"]):
             for _ in range(cfg["steps_between"]):
-                step(name)
+                step(name, round_)
                 method.poll()
             dirty_before, machine_before = dirty_bytes(), machine_cpu.machine_cpu()
             started = time.time()
@@ -144,14 +144,14 @@ def bench_rank(cfg: dict, target: dict) -> dict:
                           "dirty_after": dirty_bytes(), "round": round_, "index": i,
                           "machine_cpu_s": machine_cpu.delta(machine_before, machine_cpu.machine_cpu())})
         for _ in range(cfg["steps_between"]):
-            step(name)
+            step(name, round_)
             method.poll()
         finish_started = time.time()
         method.finish()
         finish_wait_s = time.time() - finish_started
         # a save that left its bytes in the page cache is not done with the disk: train on until the kernel
         # has written them back, so that its writeback slows this method's steps, not the next method's
-        written_back = train_until_written_back(lambda: step(name), saves[0]["dirty_before"] if saves else None,
+        written_back = train_until_written_back(lambda: step(name, round_), saves[0]["dirty_before"] if saves else None,
                                                 agree, cap_s=cfg["writeback_cap_s"])
         entry = {"note": method.note, "finish_wait_s": finish_wait_s, "bytes_per_save": method.bytes_per_save,
                  "written_back": written_back}
@@ -182,10 +182,12 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             if "skipped" in results.get(name, {}):
                 continue
             entry = turn(name, round_)
-            if name in results and "skipped" not in entry:
-                _gather_round(results[name], entry)
-            else:
+            if name not in results:
                 results[name] = entry
+            elif "skipped" in entry:  # an earlier round ran: keep its figures, say why this one did not
+                results[name].setdefault("skipped_rounds", {})[round_] = entry["skipped"]
+            else:
+                _gather_round(results[name], entry)
             peak_rss = max(peak_rss, proc.memory_info().rss)
     ours = next((entry["bytes_per_save"] for name, entry in results.items()  # this rank's share of a checkpoint
                  if name.startswith("async_ckpt") and entry.get("bytes_per_save")), None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,10 +102,19 @@ def delete(folder: str) -> None:
 
 
 def _in_processes(path: str, nbytes: int, request: int, threads: int, processes: int) -> None:
-    """:func:`direct_write` of ``nbytes / processes`` each from ``processes`` processes at once (as ranks)."""
-    children = [subprocess.Popen([sys.executable, "-m", _MODULE, "--child", f"{path}.{k}", str(nbytes // processes),
-                                  str(request), str(threads)]) for k in range(processes)]
-    codes = [child.wait() for child in children]
+    """:func:`direct_write` of ``nbytes / processes`` each from ``processes`` processes at once (as ranks).
+    Their wall time includes each interpreter's start; their steal hardly does."""
+    children: list[subprocess.Popen] = []
+    try:
+        for k in range(processes):
+            children.append(subprocess.Popen([sys.executable, "-m", _MODULE, "--child", f"{path}.{k}",
+                                              str(nbytes // processes), str(request), str(threads)]))
+        codes = [child.wait() for child in children]
+    finally:
+        for child in children:  # on an error or an interrupt, none is left writing
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     if any(codes):
         raise RuntimeError(f"a writing process failed (exit codes {codes})")
 
@@ -133,12 +143,15 @@ def probe(folder: str, nbytes: int, rounds: int, busy: int | None = None) -> dic
     """Every mode ``rounds`` times, alternating, with ``busy`` spinning processes (default: one per CPU).
     Each write is followed by the deletion of its file, measured as a row of its own. Returns the rows and
     their :func:`summarize`."""
+    if machine_cpu.machine_cpu() is None:
+        raise SystemExit("write_steal counts the machine's CPU from /proc/stat, which this system does not have")
     busy = (os.cpu_count() or 1) if busy is None else busy
-    spinners = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(busy)]
-    path = os.path.join(tempfile.mkdtemp(prefix="write_steal_", dir=folder), "probe.bin")
-    folder = os.path.dirname(path)
+    folder = tempfile.mkdtemp(prefix="write_steal_", dir=folder)
+    path = os.path.join(folder, "probe.bin")
+    spinners: list[subprocess.Popen] = []
     rows = []
     try:
+        spinners += [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(busy)]
         time.sleep(1.0)
         for r in range(rounds):
             for name, run in modes(path, nbytes).items():
@@ -160,24 +173,23 @@ def summarize(rows: list[dict], nbytes: int) -> dict:
 
     The quietest idle round, because a deletion's trims can run on for seconds after its sync, into the
     next round's idle one; the figure as measured bounds the cost from above."""
-    rate = min(row.get("steal", 0.0) / row["wall_s"] for row in rows if row["mode"] == IDLE)
+    rate = min(row["steal"] / row["wall_s"] for row in rows if row["mode"] == IDLE)
     gib = nbytes / GIB
     summary = {}
     names = [name for name in dict.fromkeys(row["mode"] for row in rows) if name != IDLE and not name.endswith(DELETE)]
     for label in [*names, DELETE]:
         chosen = [row for row in rows if (row["mode"].endswith(DELETE) if label == DELETE else row["mode"] == label)]
         if chosen:
-            measured = sorted(row.get("steal", 0.0) / gib for row in chosen)
-            extra = sorted((row.get("steal", 0.0) - rate * row["wall_s"]) / gib for row in chosen)
-            walls = sorted(row["wall_s"] for row in chosen)
-            summary[label] = {"steal_s_per_gib": measured[len(measured) // 2],
-                              "extra_steal_s_per_gib": extra[len(extra) // 2],
-                              "extra_steal_s_per_gib_range": [extra[0], extra[-1]],
-                              "wall_s_median": walls[len(walls) // 2]}
+            extra = [(row["steal"] - rate * row["wall_s"]) / gib for row in chosen]
+            summary[label] = {"steal_s_per_gib": statistics.median(row["steal"] / gib for row in chosen),
+                              "extra_steal_s_per_gib": statistics.median(extra),
+                              "extra_steal_s_per_gib_range": [min(extra), max(extra)],
+                              "wall_s_median": statistics.median(row["wall_s"] for row in chosen)}
     return {"idle_steal_per_s": rate, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; ``--child`` is one writing process of the two-process mode."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         path, nbytes, request, threads = argv[1], int(argv[2]), int(argv[3]), int(argv[4])

@@ -60,8 +60,8 @@ def train_until_written_back(step: Callable[[], None], level: int | None, agree:
 def windows(steps: list[dict], method: str, saves: list[dict]) -> list[tuple[float, float]] | None:
     """The windows in which ``method``'s page-cache bytes were waiting for the kernel: per save, from its
     call's return to the end of the first of the method's steps at which the dirty bytes were back within
-    :data:`SLACK_BYTES` of their level before the method's *first* save (or to the method's last step,
-    where they never were). A save whose bytes were above that level neither when its call returned nor
+    :data:`SLACK_BYTES` of their level before the method's *first* save (or to the method's last step of
+    that round, where they never were; with ``--rounds`` steps and saves carry their round). A save whose bytes were above that level neither when its call returned nor
     at the end of the next step (one written with ``O_DIRECT``, or fsynced in time) has no window.
 
     One level for all saves, because the counter is system-wide: a save that starts while an earlier
@@ -77,7 +77,8 @@ def windows(steps: list[dict], method: str, saves: list[dict]) -> list[tuple[flo
     spans = []
     for save in measured:
         returned = save["start"] + save["call_s"]
-        later = [s for s in own if s["start"] >= returned]
+        later = [s for s in own if s["start"] >= returned  # steps of runs from before rounds carry none
+                 and s.get("round", save.get("round", 0)) == save.get("round", 0)]
         dirty_from = 0 if save["dirty_after"] > level else 1  # the first reading above the level
         if not later or (dirty_from and later[0]["dirty_bytes"] <= level):
             continue
