@@ -8,7 +8,8 @@ is counted by kind (:mod:`async_ckpt.bench.machine_cpu`). The modes ask whether 
 writing would cost less: ``O_DIRECT`` in 4 MiB requests one at a time, in 32 MiB writes from two
 threads (as async_ckpt's local writer), from two processes at once (as two ranks), and through the page
 cache, either with fsync or left to the kernel's writeback (as stock DeepSpeed's ``torch.save``).
-Rounds alternate the modes, and idle rounds (sleeping) give the steal the machine shows anyway.
+Each round runs every mode in turn; each write's deletion is measured apart (on a disk mounted with online
+discard it costs steal too), and idle modes (sleeping) give the steal the machine shows anyway.
 
 Run: ``python -m async_ckpt.bench.write_steal --dir /var/tmp --gib 1 --rounds 3``. Figures:
 ``benchmarks/RESULTS.md``.
