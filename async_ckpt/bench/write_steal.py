@@ -85,12 +85,8 @@ def buffered_write(path: str, nbytes: int, *, fsync: bool, drain_cap_s: float = 
         if fsync:
             fh.flush()
             os.fsync(fh.fileno())
-    started = time.monotonic()
-    while not fsync and level is not None and time.monotonic() - started < drain_cap_s:
-        now = writeback.dirty_bytes()
-        if now is None or now <= level + writeback.SLACK_BYTES:
-            break
-        time.sleep(0.2)
+    if not fsync:  # the bench's own drain, with a pause for a training step and no other rank to agree with
+        writeback.train_until_written_back(lambda: time.sleep(0.2), level, lambda waiting: waiting, cap_s=drain_cap_s)
 
 
 def delete(folder: str) -> None:
