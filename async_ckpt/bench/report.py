@@ -147,12 +147,12 @@ def summarize(report: dict) -> dict:
                  for c in ranks[0]["methods"][name]["saves"]]
         costed = [s for s in rank0_steps if s["method"] == name and _overlaps(s, ws + (spans or []))]
         methods[name]["extra_machine_cpu_per_save_s"] = machine_cpu.extra_per_save(costed + calls, outside_steps, saves)
+        # the same steps' wall time, where the writeback was measured
         for key in ("steps_inside_writeback_windows", "writeback_extra_signed_per_save_s",
                     "writeback_extra_signed_vs_own_steps_per_save_s", "lost_incl_writeback_per_save_s"):
             methods[name][key] = None
         if spans is not None and base:
-            with_writeback = [s["end"] - s["start"] for s in rank0_steps if s["method"] == name
-                              and _overlaps(s, ws + spans)]
+            with_writeback = [s["end"] - s["start"] for s in costed]
             signed = sum(t - base for t in with_writeback) / saves
             methods[name]["steps_inside_writeback_windows"] = len(with_writeback)
             methods[name]["writeback_extra_signed_per_save_s"] = signed

@@ -61,8 +61,9 @@ def windows(steps: list[dict], method: str, saves: list[dict]) -> list[tuple[flo
     """The windows in which ``method``'s page-cache bytes were waiting for the kernel: per save, from its
     call's return to the end of the first of the method's steps at which the dirty bytes were back within
     :data:`SLACK_BYTES` of their level before the method's *first* save (or to the method's last step of
-    that round, where they never were; with ``--rounds`` steps and saves carry their round). A save whose bytes were above that level neither when its call returned nor
-    at the end of the next step (one written with ``O_DIRECT``, or fsynced in time) has no window.
+    that round, where they never were; with ``--rounds`` steps and saves carry their round). A save whose
+    bytes were above that level neither when its call returned nor at the end of the next step (one
+    written with ``O_DIRECT``, or fsynced in time) has no window.
 
     One level for all saves, because the counter is system-wide: a save that starts while an earlier
     one's bytes are still dirty can return with fewer dirty bytes than before it (older ones written
