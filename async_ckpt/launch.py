@@ -18,10 +18,13 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import queue
+import select
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterator, Mapping
@@ -90,7 +93,38 @@ def _start_preloading_server(modules: tuple[str, ...], accelerator: str) -> None
                          "process; pass the same preload list and accelerator, or preload=() for spawned ranks")
 
 
-def _worker(tasks: Any, results: Any, environ: dict[str, str] | None = None) -> None:
+#: How often a rank without ``pidfd_open`` checks that the process that started it is still there.
+ORPHAN_CHECK_S = 1.0
+
+
+def _exit_when_orphaned(owner: int) -> None:
+    """End this rank once ``owner``, the process that made its group, is gone.
+
+    An owner that dies without closing its group (``kill``, ``pkill``: Python runs no ``finally`` on
+    SIGTERM) would otherwise leave its ranks waiting for tasks, or training on, for ever, taking the
+    CPU and disk of whatever runs next. The owner is watched through a pidfd (Linux 5.3+), not through
+    this process's parent: a preloaded rank's parent is multiprocessing's fork server, which lives on
+    as long as any process it forked does. Without pidfds, a spawned rank (whose parent is the owner)
+    polls its parent id instead, and a preloaded one is not watched.
+    """
+    try:
+        pidfd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        pass  # gone before this rank started
+    except (AttributeError, OSError):
+        if os.getppid() != owner:
+            return
+        while os.getppid() == owner:
+            time.sleep(ORPHAN_CHECK_S)
+    else:
+        select.select([pidfd], [], [])  # readable once the owner has exited
+    print(f"async_ckpt rank {os.environ.get('RANK', '?')}: the process that started its group (pid {owner}) is "
+          "gone; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _worker(tasks: Any, results: Any, owner: int, environ: dict[str, str] | None = None) -> None:
+    threading.Thread(target=_exit_when_orphaned, args=(owner,), name="async_ckpt-orphan-watch", daemon=True).start()
     if environ is not None:  # forked by the preloading server: this group's environment, as a spawned rank is born with
         os.environ.clear()
         os.environ.update(environ)
@@ -160,7 +194,7 @@ class RankGroup:
         for rank in range(world_size):
             with _environment({**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
                                "ASYNC_CKPT_STACK_FILE": self._stack_file(rank)}):
-                proc = ctx.Process(target=_worker, args=(self._tasks[rank], self._results,
+                proc = ctx.Process(target=_worker, args=(self._tasks[rank], self._results, os.getpid(),
                                                          dict(os.environ) if preload else None),
                                    name=f"async_ckpt-rank{rank}", daemon=daemon)
                 self._procs.append(proc)

@@ -1,8 +1,13 @@
-"""The rank launcher: ranks forked by the preloading server start as spawned ones do, with the group's environment."""
+"""The rank launcher: ranks forked by the preloading server start as spawned ones do, with the group's environment;
+ranks whose starter dies without closing them end on their own."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import rank_tasks
@@ -29,3 +34,46 @@ def test_a_group_for_another_accelerator_than_the_preloading_servers_is_refused_
     RankGroup(1, preload=PRELOAD).close()  # the suite's server: DeepSpeed imported for the CPU accelerator
     with pytest.raises(ValueError, match=r"already imported .* for 'cpu'.*preload=\(\) for spawned ranks"):
         RankGroup(1, env={"DS_ACCELERATOR": "cuda"}, preload=PRELOAD)
+
+
+_STARTER = """
+import sys
+from async_ckpt.launch import RankGroup
+group = RankGroup(1, preload=tuple(sys.argv[1:]))
+print("rank pid", group._procs[0].pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts: whoever adopted it may not reap it at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("preload", [(), PRELOAD], ids=["spawned", "preloaded"])
+def test_a_rank_whose_starter_is_killed_exits_on_its_own(preload):
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, *preload], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("rank pid"):  # the rank shares the pipe, and prints what DeepSpeed says
+            line = starter.stdout.readline()
+            assert line, "the starter ended before its rank started"
+        rank_pid = int(line.split()[-1])
+        assert not _gone(rank_pid)
+        starter.send_signal(signal.SIGTERM)  # Python runs no finally on SIGTERM: the group is never closed
+        starter.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not _gone(rank_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(rank_pid), f"rank {rank_pid} outlived the process that started it"
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
+        starter.stdout.close()
+        starter.stdin.close()
