@@ -5,9 +5,10 @@ vCPUs; the guest sees that as ``steal`` in ``/proc/stat``. The save bench measur
 per GB that async_ckpt wrote, in the step after each save. This probe takes DeepSpeed out: one busy
 loop per core stands in for training, and each mode writes the same bytes while the whole machine's CPU
 is counted by kind (:mod:`async_ckpt.bench.machine_cpu`). The modes ask whether a different way of
-writing would cost less: ``O_DIRECT`` in 4 MiB requests one at a time, in 32 MiB writes from two
-threads (as async_ckpt's local writer), from two processes at once (as two ranks), and through the page
-cache, either with fsync or left to the kernel's writeback (as stock DeepSpeed's ``torch.save``).
+writing would cost less: ``O_DIRECT`` in 4 MiB requests one at a time (as fast as the disk takes them,
+paced to a fifth of that, or with the fsync 5 s after the writes), in 32 MiB writes from two threads (as
+async_ckpt's local writer), from two processes at once (as two ranks), and through the page cache, either
+with fsync or left to the kernel's writeback (as stock DeepSpeed's ``torch.save``: written back 30 s later).
 Each round runs every mode in turn; each write's deletion is measured apart (on a disk mounted with online
 discard it costs steal too), and idle modes (sleeping) give the steal the machine shows anyway.
 
@@ -33,6 +34,10 @@ from async_ckpt.storage.base import anonymous_memory
 
 MIB = 1 << 20
 GIB = 1 << 30
+#: the paced mode's rate: about a fifth of this VM's disk, and the kernel's writeback cost less steal per byte
+PACED_RATE = 100e6
+#: how long the fsync-later mode leaves the written bytes to the host before its fsync
+FSYNC_LATER_S = 5.0
 #: memory the writes read from, reused for every request (on huge pages, like async_ckpt's buffers)
 SOURCE_BYTES = 64 * MIB
 
@@ -42,9 +47,12 @@ DELETE = "delete + sync"
 _MODULE = "async_ckpt.bench.write_steal"  # run as the writing children, also when this file is __main__
 
 
-def direct_write(path: str, nbytes: int, request: int, threads: int) -> None:
+def direct_write(path: str, nbytes: int, request: int, threads: int, rate: float | None = None, *,
+                 fsync: bool = True) -> None:
     """Write ``nbytes`` to ``path`` with ``O_DIRECT`` in ``request``-byte positioned writes from ``threads``
-    threads, then fsync (the file stays: :func:`delete` removes it, measured apart)."""
+    threads, then fsync unless told not to (the file stays: :func:`delete` removes it, measured apart). With ``rate`` (bytes per
+    second), a thread sleeps after its write of request ``i`` until ``(i + 1) * request / rate`` seconds have
+    passed: the whole file no faster than ``rate``."""
     source = anonymous_memory(SOURCE_BYTES)
     source.write(b"\x01" * SOURCE_BYTES)
     view = memoryview(source)
@@ -53,9 +61,12 @@ def direct_write(path: str, nbytes: int, request: int, threads: int) -> None:
     errors: list[BaseException] = []
 
     def work(first: int) -> None:
+        started = time.monotonic()
         try:
             for i in range(first, nbytes // request, threads):
                 os.pwrite(fd, view[(i % per) * request:(i % per + 1) * request], i * request)
+                if rate:
+                    time.sleep(max(0.0, started + (i + 1) * request / rate - time.monotonic()))
         except BaseException as exc:  # raised below, on the calling thread
             errors.append(exc)
 
@@ -67,11 +78,36 @@ def direct_write(path: str, nbytes: int, request: int, threads: int) -> None:
             worker.join()
         if errors:
             raise errors[0]
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
         view.release()
         source.close()
+
+
+def fsync_later(path: str, nbytes: int, wait_s: float = FSYNC_LATER_S) -> dict[str, float]:
+    """The 4 MiB ``O_DIRECT`` write without its fsync, ``wait_s`` of the busy machine, then the fsync; returns
+    each phase's wall time and steal (``write_steal``, ``wait_steal``, ``fsync_steal``...).
+
+    On a virtual disk with a volatile write cache (``/sys/block/*/queue/write_cache`` reads ``write back``)
+    an ``O_DIRECT`` write can end in the host's memory, and the fsync sends the cache flush that makes the
+    host write it out at once; this mode asks what the flush costs once the host has had time of its own.
+    """
+    phases: dict[str, float] = {}
+    for phase, run in (("write", lambda: direct_write(path, nbytes, 4 * MIB, 1, fsync=False)),
+                       ("wait", lambda: time.sleep(wait_s)), ("fsync", lambda: _fsync(path))):
+        used = measure(run)
+        phases[f"{phase}_wall_s"], phases[f"{phase}_steal"] = used["wall_s"], used.get("steal", 0.0)
+    return phases
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def buffered_write(path: str, nbytes: int, *, fsync: bool, drain_cap_s: float = writeback.DRAIN_CAP_S) -> None:
@@ -116,11 +152,14 @@ def _in_processes(path: str, nbytes: int, request: int, threads: int, processes:
         raise RuntimeError(f"a writing process failed (exit codes {codes})")
 
 
-def modes(path: str, nbytes: int) -> dict[str, Callable[[], None]]:
+def modes(path: str, nbytes: int) -> dict[str, Callable[[], dict[str, float] | None]]:
     """Each way of writing ``nbytes`` that the probe compares, by name."""
     return {
         IDLE: lambda: time.sleep(5.0),
         "O_DIRECT, 4 MiB requests, 1 thread": lambda: direct_write(path, nbytes, 4 * MIB, 1),
+        f"O_DIRECT, 4 MiB requests, 1 thread, paced to {PACED_RATE / 1e6:.0f} MB/s":
+            lambda: direct_write(path, nbytes, 4 * MIB, 1, PACED_RATE),
+        f"O_DIRECT, 4 MiB requests, 1 thread, fsync {FSYNC_LATER_S:.0f} s later": lambda: fsync_later(path, nbytes),
         "O_DIRECT, 32 MiB writes, 2 threads (async_ckpt)": lambda: direct_write(path, nbytes, 32 * MIB, 2),
         "O_DIRECT, 32 MiB writes, 2 threads, 2 processes (two ranks)": lambda: _in_processes(path, nbytes, 32 * MIB, 2, 2),
         "page cache + fsync": lambda: buffered_write(path, nbytes, fsync=True),
@@ -128,12 +167,13 @@ def modes(path: str, nbytes: int) -> dict[str, Callable[[], None]]:
     }
 
 
-def measure(run: Callable[[], None]) -> dict[str, float]:
-    """Wall seconds of ``run()`` and the machine's CPU seconds by kind over it."""
+def measure(run: Callable[[], dict[str, float] | None]) -> dict[str, float]:
+    """Wall seconds of ``run()`` and the machine's CPU seconds by kind over it, with what ``run()`` returns
+    (a mode's phases)."""
     before, started = machine_cpu.machine_cpu(), time.monotonic()
-    run()
+    phases = run()
     wall, used = time.monotonic() - started, machine_cpu.delta(before, machine_cpu.machine_cpu())
-    return {"wall_s": wall, **(used or {})}
+    return {"wall_s": wall, **(used or {}), **(phases or {})}
 
 
 def probe(folder: str, nbytes: int, rounds: int, busy: int | None = None) -> dict:
@@ -182,6 +222,12 @@ def summarize(rows: list[dict], nbytes: int) -> dict:
                               "extra_steal_s_per_gib": statistics.median(extra),
                               "extra_steal_s_per_gib_range": [min(extra), max(extra)],
                               "wall_s_median": statistics.median(row["wall_s"] for row in chosen)}
+            phases = [key[:-len("_steal")] for key in chosen[0] if key.endswith("_steal")]
+            if phases:  # as measured: an idle rate over a phase is not subtracted
+                summary[label]["phase_steal_s_per_gib"] = {
+                    phase: statistics.median(row[f"{phase}_steal"] / gib for row in chosen) for phase in phases}
+                summary[label]["phase_wall_s_median"] = {
+                    phase: statistics.median(row[f"{phase}_wall_s"] for row in chosen) for phase in phases}
     return {"idle_steal_per_s": rate, "summary": summary}
 
 
