@@ -341,10 +341,10 @@ def test_bench_writer_process_prototype_writes_the_same_bytes_as_the_writer_thre
 
 @pytest.fixture(scope="module")
 def pieces_ab(tmp_path_factory):
-    """One --quick run of the defaults and two A/Bs (128 MiB pieces; buffered writes), at micro-batch 3 and
-    3 threads per rank."""
+    """One --quick run of the defaults and three A/Bs (128 MiB pieces; buffered writes; no fsync), at
+    micro-batch 3 and 3 threads per rank."""
     return _quick_bench(tmp_path_factory.mktemp("pieces_ab"), "--micro-batch", "3", "--threads-per-rank", "3",
-                        "--methods", "async_ckpt,async_ckpt_pieces128,async_ckpt_buffered")
+                        "--methods", "async_ckpt,async_ckpt_pieces128,async_ckpt_buffered,async_ckpt_no_fsync")
 
 
 def test_bench_micro_batch_option_sets_every_ranks_micro_batch(pieces_ab):
@@ -357,11 +357,12 @@ def test_bench_threads_per_rank_option_sets_every_ranks_pytorch_threads(pieces_a
     assert [rank["threads"] for rank in pieces_ab["ranks"]] == [3, 3]
 
 
-def test_bench_ab_methods_make_every_save_durable(pieces_ab):
-    _assert_every_save_durable(pieces_ab, ["async_ckpt", "async_ckpt_pieces128", "async_ckpt_buffered"])
+def test_bench_ab_methods_finish_every_save(pieces_ab):
+    _assert_every_save_durable(pieces_ab, ["async_ckpt", "async_ckpt_pieces128", "async_ckpt_buffered",
+                                           "async_ckpt_no_fsync"])
 
 
-@pytest.mark.parametrize("ab", ["async_ckpt_pieces128", "async_ckpt_buffered"])
+@pytest.mark.parametrize("ab", ["async_ckpt_pieces128", "async_ckpt_buffered", "async_ckpt_no_fsync"])
 def test_bench_ab_methods_save_the_same_bytes_as_the_defaults(pieces_ab, ab):
     for rank in pieces_ab["ranks"]:
         ours = rank["methods"]
@@ -372,6 +373,12 @@ def test_bench_buffered_ab_writes_without_o_direct_and_the_defaults_with_it(piec
     for rank in pieces_ab["ranks"]:
         assert rank["methods"]["async_ckpt"]["settings"]["direct_io"] is True
         assert rank["methods"]["async_ckpt_buffered"]["settings"]["direct_io"] is False
+
+
+def test_bench_no_fsync_ab_publishes_without_fsync_and_the_defaults_with_it(pieces_ab):
+    for rank in pieces_ab["ranks"]:
+        assert rank["methods"]["async_ckpt"]["settings"]["fsync"] is True
+        assert rank["methods"]["async_ckpt_no_fsync"]["settings"]["fsync"] is False
 
 
 def test_writer_process_serializes_in_its_worker_and_restores_the_writer(tmp_path):

@@ -218,7 +218,7 @@ class DcpAsyncSave(Method):
 
 
 #: the async_ckpt options the bench's variants change, recorded per method in the results
-SETTINGS = ("overlap_copy", "direct_io", "exact_bytes", "writer_nice")
+SETTINGS = ("overlap_copy", "direct_io", "fsync", "exact_bytes", "writer_nice")
 
 
 class AsyncCkpt(Method):
@@ -290,6 +290,18 @@ class AsyncCkptBuffered(AsyncCkpt):
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         super().__init__(engine, target, rank, direct_io=False)
+
+
+class AsyncCkptNoFsync(AsyncCkpt):
+    """A/B, run on request only: defaults but ``fsync=False``: files published without the cache flush, as
+    durable as stock's ``torch.save`` (the bytes may sit in the disk's volatile cache, on a VM the host's memory,
+    when ``latest`` moves). It prices durability: on a VM the flush makes the host write at once, on the
+    guest's cores (``python -m async_ckpt.bench.write_steal``). Its ``durable_s`` is the time to written."""
+
+    name = "async_ckpt_no_fsync"
+
+    def __init__(self, engine: Any, target: dict, rank: int) -> None:
+        super().__init__(engine, target, rank, fsync=False)
 
 
 class AsyncCkptSynchronous(AsyncCkpt):
@@ -383,7 +395,8 @@ class AsyncCkptPieces128(AsyncCkpt):
 
 METHODS = {m.name: m for m in (StockDeepSpeed, DecoupledDeepSpeed, DcpAsyncSave, AsyncCkpt, AsyncCkptExact,
                                AsyncCkptCopyInSave, AsyncCkptTuned, AsyncCkptSynchronous, AsyncCkptBuffered,
-                               AsyncCkptProcess, AsyncCkptPieces128)}
+                               AsyncCkptProcess, AsyncCkptPieces128, AsyncCkptNoFsync)}
 #: Methods that run only when named in ``--methods`` (prototypes and A/Bs), not in the default comparison.
-ON_REQUEST = (AsyncCkptSynchronous.name, AsyncCkptBuffered.name, AsyncCkptProcess.name, AsyncCkptPieces128.name)
+ON_REQUEST = (AsyncCkptSynchronous.name, AsyncCkptBuffered.name, AsyncCkptProcess.name, AsyncCkptPieces128.name,
+              AsyncCkptNoFsync.name)
 
