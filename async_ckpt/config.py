@@ -39,7 +39,10 @@ class CheckpointConfig:
             and ``load()`` and ``engine.load_checkpoint`` wait for the copy; not safe if you modify
             optimizer state in place by hand between ``save()`` and the next ``step()``: then set
             it False, which copies everything before ``save()`` returns.
-        fsync: flush file data to stable storage before a file is published (local/NFS).
+        fsync: flush file data to stable storage before a file is published (local/NFS), so that
+            a tag ``latest`` names survives a crash of the machine. False publishes without the
+            flush: as durable as stock DeepSpeed's torch.save. On a VM whose disk emulation takes
+            the guest's CPU that cut a save's steal by 40 % (benchmarks/RESULTS.md, "The disk's cache flush").
         exact_bytes: make every file byte-for-byte what DeepSpeed's Torch engine writes. By
             default torch.save streams straight into storage and names the zip records inside
             each file ``archive/...`` (same tensors and dicts; every DeepSpeed tool reads them);
