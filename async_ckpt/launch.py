@@ -97,34 +97,45 @@ def _start_preloading_server(modules: tuple[str, ...], accelerator: str) -> None
 ORPHAN_CHECK_S = 1.0
 
 
-def _exit_when_orphaned(owner: int) -> None:
+def _exit_when_orphaned(owner: int, spawned: bool) -> None:
     """End this rank once ``owner``, the process that made its group, is gone.
 
     An owner that dies without closing its group (``kill``, ``pkill``: Python runs no ``finally`` on
     SIGTERM) would otherwise leave its ranks waiting for tasks, or training on, for ever, taking the
     CPU and disk of whatever runs next. The owner is watched through a pidfd (Linux 5.3+), not through
     this process's parent: a preloaded rank's parent is multiprocessing's fork server, which lives on
-    as long as any process it forked does. Without pidfds, a spawned rank (whose parent is the owner)
-    polls its parent id instead, and a preloaded one is not watched.
+    as long as any process it forked does. A spawned rank's parent is the owner, so a changed parent id
+    also tells it the owner is gone (and, checked after the pidfd is opened, that the pidfd is not a
+    later process's under a reused id); without pidfds it polls that instead, and a preloaded one is not
+    watched. A process that forks, hands the group to its child and exits ends the group's ranks too.
     """
+    def adopted() -> bool:
+        return spawned and os.getppid() != owner
+
     try:
-        pidfd = os.pidfd_open(owner)
+        pidfd = None if adopted() else os.pidfd_open(owner)
     except ProcessLookupError:
-        pass  # gone before this rank started
-    except (AttributeError, OSError):
-        if os.getppid() != owner:
+        pidfd = None  # gone before this rank started
+    except (AttributeError, OSError):  # no pidfds on this system
+        if not spawned:
             return
-        while os.getppid() == owner:
+        while not adopted():
             time.sleep(ORPHAN_CHECK_S)
-    else:
-        select.select([pidfd], [], [])  # readable once the owner has exited
+        pidfd = None
+    if pidfd is not None and not adopted():
+        watch = select.poll()
+        watch.register(pidfd, select.POLLIN)
+        watch.poll()  # readable once the owner has exited
     print(f"async_ckpt rank {os.environ.get('RANK', '?')}: the process that started its group (pid {owner}) is "
           "gone; exiting", file=sys.stderr, flush=True)
+    for child in mp.active_children():  # processes of this rank's own (DeepSpeed's decoupled writer)
+        child.kill()
     os._exit(1)
 
 
 def _worker(tasks: Any, results: Any, owner: int, environ: dict[str, str] | None = None) -> None:
-    threading.Thread(target=_exit_when_orphaned, args=(owner,), name="async_ckpt-orphan-watch", daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(owner, environ is None), name="async_ckpt-orphan-watch",
+                     daemon=True).start()
     if environ is not None:  # forked by the preloading server: this group's environment, as a spawned rank is born with
         os.environ.clear()
         os.environ.update(environ)

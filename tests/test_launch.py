@@ -55,9 +55,10 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("preload", [(), PRELOAD], ids=["spawned", "preloaded"])
-def test_a_rank_whose_starter_is_killed_exits_on_its_own(preload):
+def test_a_rank_whose_starter_is_killed_exits_on_its_own(preload, tmp_path):
+    stderr = open(tmp_path / "stderr", "w")  # noqa: SIM115 (the rank inherits it, and writes to it after its starter)
     starter = subprocess.Popen([sys.executable, "-c", _STARTER, *preload], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         line = ""
         while not line.startswith("rank pid"):  # the rank shares the pipe, and prints what DeepSpeed says
@@ -71,9 +72,11 @@ def test_a_rank_whose_starter_is_killed_exits_on_its_own(preload):
         while not _gone(rank_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _gone(rank_pid), f"rank {rank_pid} outlived the process that started it"
+        assert "the process that started its group" in (tmp_path / "stderr").read_text()
     finally:
         if starter.poll() is None:
             starter.kill()
             starter.wait()
         starter.stdout.close()
         starter.stdin.close()
+        stderr.close()
