@@ -41,8 +41,10 @@ class CheckpointConfig:
             it False, which copies everything before ``save()`` returns.
         fsync: flush file data to stable storage before a file is published (local/NFS), so that
             a tag ``latest`` names survives a crash of the machine. False publishes without the
-            flush: as durable as stock DeepSpeed's torch.save. On a VM whose disk emulation takes
-            the guest's CPU that cut a save's steal by 40 % (benchmarks/RESULTS.md, "The disk's cache flush").
+            flush, no more durable than stock DeepSpeed's torch.save (which sends no fsync either):
+            after a crash of the machine (or a VM's host), ``latest`` may name a tag whose files
+            are torn or missing. On a VM whose disk emulation takes the guest's CPU, False cut a
+            save's measured steal by about 40 % (benchmarks/RESULTS.md, "The disk's cache flush").
         exact_bytes: make every file byte-for-byte what DeepSpeed's Torch engine writes. By
             default torch.save streams straight into storage and names the zip records inside
             each file ``archive/...`` (same tensors and dicts; every DeepSpeed tool reads them);

@@ -34,7 +34,7 @@ from async_ckpt.storage.base import anonymous_memory
 
 MIB = 1 << 20
 GIB = 1 << 30
-#: the paced mode's rate: about a fifth of this VM's disk, and the kernel's writeback cost less steal per byte
+#: the paced mode's rate, about a fifth of this VM's disk: does a slower write cost less steal per byte?
 PACED_RATE = 100e6
 #: how long the fsync-later mode leaves the written bytes to the host before its fsync
 FSYNC_LATER_S = 5.0
@@ -50,9 +50,10 @@ _MODULE = "async_ckpt.bench.write_steal"  # run as the writing children, also wh
 def direct_write(path: str, nbytes: int, request: int, threads: int, rate: float | None = None, *,
                  fsync: bool = True) -> None:
     """Write ``nbytes`` to ``path`` with ``O_DIRECT`` in ``request``-byte positioned writes from ``threads``
-    threads, then fsync unless told not to (the file stays: :func:`delete` removes it, measured apart). With ``rate`` (bytes per
-    second), a thread sleeps after its write of request ``i`` until ``(i + 1) * request / rate`` seconds have
-    passed: the whole file no faster than ``rate``."""
+    threads, then fsync unless told not to (the file stays: :func:`delete` removes it, measured apart).
+
+    With ``rate`` (bytes per second), a thread sleeps after its write of request ``i`` until
+    ``(i + 1) * request / rate`` seconds have passed: the whole file no faster than ``rate``."""
     source = anonymous_memory(SOURCE_BYTES)
     source.write(b"\x01" * SOURCE_BYTES)
     view = memoryview(source)
