@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 from async_ckpt.bench import machine_cpu, writeback
 from async_ckpt.storage.base import anonymous_memory
+from async_ckpt.storage.local import fsync_path
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -97,18 +98,10 @@ def fsync_later(path: str, nbytes: int, wait_s: float = FSYNC_LATER_S) -> dict[s
     """
     phases: dict[str, float] = {}
     for phase, run in (("write", lambda: direct_write(path, nbytes, 4 * MIB, 1, fsync=False)),
-                       ("wait", lambda: time.sleep(wait_s)), ("fsync", lambda: _fsync(path))):
+                       ("wait", lambda: time.sleep(wait_s)), ("fsync", lambda: fsync_path(path))):
         used = measure(run)
         phases[f"{phase}_wall_s"], phases[f"{phase}_steal"] = used["wall_s"], used.get("steal", 0.0)
     return phases
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def buffered_write(path: str, nbytes: int, *, fsync: bool, drain_cap_s: float = writeback.DRAIN_CAP_S) -> None:

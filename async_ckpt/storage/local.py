@@ -30,7 +30,8 @@ from async_ckpt.storage.base import LEND_MIN, anonymous_memory, buffer_address a
 from async_ckpt.storage.fsspec_store import FsspecStorage
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder by its path (a folder's, for the names in it to survive a crash)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -345,4 +346,4 @@ class LocalStorage(FsspecStorage):
             os.close(fd)
         os.replace(tmp, final)
         if self.fsync:
-            _fsync_dir(parent)
+            fsync_path(parent)
