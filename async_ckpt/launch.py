@@ -134,7 +134,8 @@ def _exit_when_orphaned(owner: int, spawned: bool) -> None:
 
 
 def _worker(tasks: Any, results: Any, owner: int, environ: dict[str, str] | None = None) -> None:
-    threading.Thread(target=_exit_when_orphaned, args=(owner, environ is None), name="async_ckpt-orphan-watch",
+    # not named async_ckpt-*: it is the launcher's, for the rank's life, not a checkpointer's (closed with it)
+    threading.Thread(target=_exit_when_orphaned, args=(owner, environ is None), name="rank-orphan-watch",
                      daemon=True).start()
     if environ is not None:  # forked by the preloading server: this group's environment, as a spawned rank is born with
         os.environ.clear()
