@@ -53,6 +53,7 @@ def bench_rank(size: str, repeats: int, root: str) -> dict[str, Any]:
     from async_ckpt import workload
     from async_ckpt.layout import MANIFEST
     from async_ckpt.manifest import Manifest
+    from async_ckpt.storage.local import fsync_path
 
     rank = dist.get_rank()
     config = workload.ds_config(3, "fp32")
@@ -89,9 +90,7 @@ def bench_rank(size: str, repeats: int, root: str) -> dict[str, Any]:
         type(engine).save_16bit_model(engine, folder)
         returned = time.perf_counter()
         if rank == 0:  # DeepSpeed does not fsync; durable needs it
-            fd = os.open(os.path.join(folder, "pytorch_model.bin"), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            fsync_path(os.path.join(folder, "pytorch_model.bin"))
         record("stock_save_16bit_model", started, returned, folder)
     with async_ckpt.wrap(engine, os.path.join(root, "async")) as ckpt:
         for i in range(repeats):
