@@ -6,7 +6,7 @@ per GB that async_ckpt wrote, in the step after each save. This probe takes Deep
 loop per core stands in for training, and each mode writes the same bytes while the whole machine's CPU
 is counted by kind (:mod:`async_ckpt.bench.machine_cpu`). The modes ask whether a different way of
 writing would cost less: ``O_DIRECT`` in 4 MiB requests one at a time (as fast as the disk takes them,
-paced to a fifth of that, or with the fsync 5 s after the writes), in 32 MiB writes from two threads (as
+paced to 100 MB/s, or with the fsync 5 s after the writes), in 32 MiB writes from two threads (as
 async_ckpt's local writer), from two processes at once (as two ranks), and through the page cache, either
 with fsync or left to the kernel's writeback (as stock DeepSpeed's ``torch.save``: written back 30 s later).
 Each round runs every mode in turn; each write's deletion is measured apart (on a disk mounted with online
@@ -35,7 +35,7 @@ from async_ckpt.storage.local import fsync_path
 
 MIB = 1 << 20
 GIB = 1 << 30
-#: the paced mode's rate, about a fifth of this VM's disk: does a slower write cost less steal per byte?
+#: the paced mode's rate, a fifth to a sixth of this VM's disk: does a slower write cost less steal per byte?
 PACED_RATE = 100e6
 #: how long the fsync-later mode leaves the written bytes to the host before its fsync
 FSYNC_LATER_S = 5.0
