@@ -51,7 +51,7 @@ class CheckpointConfig:
             True has torch.save write a local scratch file named like DeepSpeed's (next to the tag
             on local/NFS roots, in ``cache_dir`` for object stores) that is then streamed to
             storage: records named after the file, at the price of a second, buffered write
-            (about 3x the time to durable here, see benchmarks/RESULTS.md).
+            (1.9-3.2x the time to durable on 2 CPU ranks, see benchmarks/RESULTS.md).
         direct_io: write local files with O_DIRECT where the filesystem supports it (faster for
             large files: no page-cache copy, and the optimizer partitions go to the device straight
             from the staging buffers); falls back to buffered writes elsewhere.

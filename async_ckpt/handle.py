@@ -23,6 +23,7 @@ class SaveResult:
 
     @property
     def persist_gbps(self) -> float:
+        """This rank's bytes over ``persist_s``, in GB/s (the figure the save's log line gives)."""
         return self.bytes_written / self.persist_s / 1e9 if self.persist_s > 0 else float("inf")
 
 
@@ -59,6 +60,7 @@ class SaveHandle:
     metrics: dict[str, Any] = field(default_factory=dict)
 
     def done(self) -> bool:
+        """Durably committed on every tier, or failed; never blocks."""
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -70,6 +72,7 @@ class SaveHandle:
         return self._future.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until committed or failed; the failure (:class:`SaveFailedError`), or ``None``."""
         return self._future.exception(timeout)
 
     def local_done(self) -> bool:

@@ -53,7 +53,9 @@ def render() -> str:
     lines = [HEADER, "## Wrapping an engine", ""]
     lines += _function("async_ckpt.wrap", async_ckpt.wrap)
     lines += _class(async_ckpt.AsyncCheckpointer, ["save", "save_consolidated", "wait", "load", "close"])
-    lines += _class(async_ckpt.SaveHandle, ["done", "result", "exception"])
+    lines += _function("async_ckpt.wait_all", async_ckpt.wait_all)
+    lines += _class(async_ckpt.SaveHandle, ["done", "wait", "result", "exception", "local_done", "wait_local",
+                                            "local_result"])
     lines += _class(async_ckpt.SaveResult, ["persist_gbps"])
     lines += ["## Configuration", ""]
     lines += _class(async_ckpt.CheckpointConfig, [])
@@ -71,7 +73,8 @@ def render() -> str:
     for name in sorted(n for n in dir(errors) if n.endswith("Error")):
         cls = getattr(errors, name)
         bases = ", ".join(b.__name__ for b in cls.__bases__)
-        lines.append(f"- `{name}({bases})`: {_doc(cls).splitlines()[0]}")
+        summary = " ".join(_doc(cls).split("\n\n")[0].split())
+        lines.append(f"- `{name}({bases})`: {summary}")
     return "\n".join(lines).rstrip() + "\n"
 
 
