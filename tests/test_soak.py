@@ -30,8 +30,10 @@ def test_every_save_is_committed_and_the_kept_ones_verify(soaked):
 
 
 def test_resident_memory_stays_flat(soaked):
+    # RSS read with freed blocks handed back at once (rank_tasks._return_freed_blocks_at_once) grew
+    # 0.08-0.15 % here; one 5 MiB part kept per save would add about 14 % on S3
     for rank in soaked["ranks"]:
-        assert rank["rss_growth"] < 0.05
+        assert rank["rss_growth"] < 0.01
 
 
 def test_handles_of_ended_saves_are_let_go_without_a_wait(soaked):
