@@ -93,10 +93,3 @@ class Manifest:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
             raise CorruptManifestError(f"not a valid async_ckpt manifest: {type(exc).__name__}: {exc}") from exc
 
-
-def encode_entries(entries: list[FileEntry]) -> bytes:
-    return json.dumps([asdict(e) for e in entries]).encode()
-
-
-def decode_entries(raw: bytes) -> list[FileEntry]:
-    return [FileEntry.from_dict(e) for e in json.loads(raw)]

@@ -202,12 +202,6 @@ class StagingPool:
             return
         self._trimming = self._helper_thread().submit(self._trim, self._reserve, start)
 
-    @property
-    def aligned_slots(self) -> int:
-        """Host buffers whose address is aligned like the file offset they were last written at."""
-        return sum((t.data_ptr() - self._placements[t.data_ptr()]) % PLACEMENT_ALIGN == 0
-                   for t in self._slots.values() if t.data_ptr() in self._placements)
-
     def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool, compact: bool = False) -> StagedFile:
         """Copy (or, with ``defer``, plan the copy of) every tensor in ``obj`` into pooled buffers.
 

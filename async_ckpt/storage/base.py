@@ -96,9 +96,6 @@ def buffer_address(data: object) -> int:
 class Storage(abc.ABC):
     """One checkpoint root on some filesystem or object store."""
 
-    #: ``True`` where a finished write is durable once ``open_write`` returns (fsync'd local files,
-    #: completed object uploads).
-    durable_writes: bool = True
     #: ``"tmpfs"`` or ``"ramfs"`` where the root is a folder in memory (local storage on Linux): a write
     #: there is work for the CPU, not for a device.
     memory_filesystem: str | None = None

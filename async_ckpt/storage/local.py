@@ -305,7 +305,6 @@ class LocalStorage(FsspecStorage):
         super().__init__(fsspec.filesystem("file"), root, root)
         self.fsync = fsync
         self.direct_io = direct_io
-        self.durable_writes = fsync
         self.memory_filesystem = memory_filesystem(root)
         self.aligned_lending = direct_io and self.memory_filesystem is None
 
