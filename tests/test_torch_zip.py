@@ -137,3 +137,13 @@ def test_this_torch_is_filled_like_torch():
     """The once-per-process check passes here: if it did not, every save would fall back to torch's CRC pass."""
     assert torch_zip.fills_like_torch()
 
+
+
+def test_saves_leave_the_threads_context_as_they_found_it():
+    import contextvars
+
+    torch_zip.save({"t": torch.ones(4)}, _Sink())  # the first save also checks torch's layout once
+    before = len(contextvars.copy_context())
+    for _ in range(5):
+        torch_zip.save({"t": torch.ones(4)}, _Sink())
+    assert len(contextvars.copy_context()) == before
