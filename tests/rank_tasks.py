@@ -516,12 +516,15 @@ def soak(url: str, saves: int, storage_options: dict | None = None, size: str = 
     }
 
 
-def _libc_function(name: str):
-    import ctypes
-    import ctypes.util
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
-    libc = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(libc), name, None) if libc else None
+
+def _libc_function(name: str):
+    """``name`` from the C library this process runs on (as ``async_ckpt.host_memory`` finds ``madvise``), or
+    ``None`` where it has no such function."""
+    import ctypes
+
+    return getattr(ctypes.CDLL(None), name, None)
 
 
 def _return_freed_blocks_at_once() -> None:
@@ -538,9 +541,6 @@ def _return_freed_blocks_at_once() -> None:
     if mallopt is not None:
         for option in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD):
             mallopt(option, 128 * 1024)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
 def _release_free_heap() -> None:

@@ -138,7 +138,6 @@ def test_this_torch_is_filled_like_torch():
     assert torch_zip.fills_like_torch()
 
 
-
 def test_saves_leave_the_threads_context_as_they_found_it():
     import contextvars
 
