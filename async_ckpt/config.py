@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
 
 OnError = Literal["warn", "raise"]
 MiB = 1024 * 1024
+_WAIT_MARGIN_S = 400.0  # wait_timeout_s beyond 2 * commit_timeout_s by default: 4000 s at the default 1800 s
 
 
 def default_cache_dir() -> str:
@@ -61,13 +63,16 @@ class CheckpointConfig:
             previous save to free the staging buffers, ``wait()`` and ``close()`` for pending
             saves (``wait(timeout=...)`` overrides it). Exceeded, they raise
             :class:`~async_ckpt.WaitTimeoutError` naming the rank, the tag and what was awaited.
-            The default outlasts a commit that times out (``2 * commit_timeout_s``).
+            ``None`` (the default) makes it ``2 * commit_timeout_s + 400`` (4000 s at the default
+            commit timeout): it outlasts a commit that times out, so a wait never gives up on a
+            commit still within its own limit, whatever ``commit_timeout_s`` is raised to.
         part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum).
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
         upload_threads: threads (each an event loop with its own client) that share the parts of
             object-store uploads. Signing and checksumming a part costs CPU, so one thread caps
             upload speed; more than the cores you can spare buys nothing. At most max_concurrency.
-        cache_dir: local folder for files fetched from remote storage on resume.
+        cache_dir: local folder for files fetched from remote storage on resume (default:
+            ``$XDG_CACHE_HOME/async_ckpt_cache``, else ``async_ckpt_cache`` in the temporary folder).
         retry_attempts: tries per object-store request before a transient error (5xx, throttling,
             timeouts, resets) fails the save.
         retry_base_delay_s: first backoff delay; it doubles per retry, with full jitter.
@@ -120,7 +125,7 @@ class CheckpointConfig:
     direct_io: bool = True
     exact_bytes: bool = False
     commit_timeout_s: float = 1800.0
-    wait_timeout_s: float = 4000.0
+    wait_timeout_s: float | None = None
     part_size: int = 16 * MiB
     max_concurrency: int = 8
     upload_threads: int = 4
@@ -150,6 +155,8 @@ class CheckpointConfig:
         if self.on_error not in ("warn", "raise"):
             raise ConfigError(f"on_error must be 'warn' or 'raise', got {self.on_error!r}")
         _number("commit_timeout_s", self.commit_timeout_s, minimum=0, exclusive=True)
+        if self.wait_timeout_s is None:
+            object.__setattr__(self, "wait_timeout_s", 2 * float(self.commit_timeout_s) + _WAIT_MARGIN_S)
         _number("wait_timeout_s", self.wait_timeout_s, minimum=0, exclusive=True)
         if _integer("part_size", self.part_size) < 5 * MiB:
             raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
@@ -159,6 +166,10 @@ class CheckpointConfig:
         _number("retry_base_delay_s", self.retry_base_delay_s, minimum=0)
         if self.keep_every is not None:
             _integer("keep_every", self.keep_every, 1)
+            if self.keep_last is None:
+                raise ConfigError(f"keep_every={self.keep_every} protects tags from keep_last's retention, but "
+                                  "keep_last is unset, so every tag is kept anyway: set keep_last too, or leave "
+                                  "keep_every unset")
         _integer("writer_nice", self.writer_nice, 0, 19)
         for name in ("overlap_copy", "fsync", "direct_io", "exact_bytes", "verify_on_load",
                      "overwrite_tags"):
@@ -173,6 +184,9 @@ class CheckpointConfig:
         _integer("local_keep_last", self.local_keep_last, 1)
         if self.local_tier_max_bytes is not None:
             _integer("local_tier_max_bytes", self.local_tier_max_bytes, 1)
+            if self.local_tier is None:
+                raise ConfigError("local_tier_max_bytes limits a local tier, but local_tier is unset: set local_tier "
+                                  "too, or leave local_tier_max_bytes unset")
         if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir):
             raise ConfigError(f"cache_dir must be a folder path, got {self.cache_dir!r}")
 
@@ -206,8 +220,10 @@ def _integer(name: str, value: Any, minimum: int | None = None, maximum: int | N
 
 
 def _number(name: str, value: Any, *, minimum: float, exclusive: bool = False) -> float:
-    """``value`` if it is a real number (not a bool) above ``minimum``; else :class:`ConfigError`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+    """``value`` if it is a finite real number (not a bool) above ``minimum``; else :class:`ConfigError`.
+
+    Infinity is refused: the waits it would set become timedeltas and thread joins, which overflow."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or (value <= minimum if exclusive else value < minimum):
-        raise ConfigError(f"{name} must be a number {'>' if exclusive else '>='} {minimum:g}, got {value!r}")
+        raise ConfigError(f"{name} must be a finite number {'>' if exclusive else '>='} {minimum:g}, got {value!r}")
     return float(value)

@@ -33,12 +33,17 @@ def _function(name: str, obj: Any, level: str = "###") -> list[str]:
     return [f"{level} `{_signature(name, obj)}`", "", _doc(obj), ""]
 
 
-def _class(cls: type, methods: list[str]) -> list[str]:
-    lines = [f"### class `{cls.__name__}`", "", _doc(cls), ""]
+def _class(cls: type, methods: list[str], *, signature: bool = False) -> list[str]:
+    """``signature``: give the constructor's (a dataclass's fields with their defaults)."""
+    name = _signature(cls.__name__, cls) if signature else cls.__name__
+    lines = [f"### class `{name}`", "", _doc(cls), ""]
     for method in methods:
         attr = inspect.getattr_static(cls, method)
-        target = attr.fget if isinstance(attr, property) else getattr(cls, method)
-        lines += _function(f"{cls.__name__}.{method}", target, "####")
+        if isinstance(attr, property):  # read as an attribute: its type, not a call signature
+            returns = inspect.signature(attr.fget).return_annotation
+            lines += [f"#### `{cls.__name__}.{method}: {returns}` (property)", "", _doc(attr.fget), ""]
+        else:
+            lines += _function(f"{cls.__name__}.{method}", getattr(cls, method), "####")
     return lines
 
 
@@ -58,7 +63,7 @@ def render() -> str:
                                             "local_result"])
     lines += _class(async_ckpt.SaveResult, ["persist_gbps"])
     lines += ["## Configuration", ""]
-    lines += _class(async_ckpt.CheckpointConfig, [])
+    lines += _class(async_ckpt.CheckpointConfig, [], signature=True)
     lines += ["## Tools (the library behind the `async-ckpt` commands)", ""]
     for name, fn in (("async_ckpt.resume.resolve", resolve), ("async_ckpt.pull.pull", pull),
                      ("async_ckpt.export.export_hf", export_hf), ("async_ckpt.universal.to_universal", to_universal)):

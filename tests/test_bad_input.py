@@ -137,6 +137,28 @@ def test_config_is_validated_at_construction(kwargs):
         CheckpointConfig(**kwargs)
 
 
+@pytest.mark.parametrize("name", ["commit_timeout_s", "wait_timeout_s", "retry_base_delay_s"])
+def test_infinite_durations_are_refused_naming_the_field(name):
+    with pytest.raises(ConfigError, match=f"{name} must be a finite number"):
+        CheckpointConfig(url="x", **{name: float("inf")})
+
+
+@pytest.mark.parametrize("kwargs,needed", [(dict(keep_every=10), "set keep_last too"),
+                                           (dict(local_tier_max_bytes=10**9), "set local_tier too")])
+def test_an_option_that_needs_another_is_refused_without_it(kwargs, needed):
+    with pytest.raises(ConfigError, match=needed):
+        CheckpointConfig(url="x", **kwargs)
+
+
+def test_wait_timeout_outlasts_a_raised_commit_timeout_by_default():
+    assert CheckpointConfig(url="x").wait_timeout_s == 4000
+    assert CheckpointConfig(url="x", commit_timeout_s=3000).wait_timeout_s > 2 * 3000
+
+
+def test_an_explicit_wait_timeout_is_kept():
+    assert CheckpointConfig(url="x", commit_timeout_s=3000, wait_timeout_s=2).wait_timeout_s == 2
+
+
 def test_errors_share_one_base_class():
     assert issubclass(async_ckpt.InvalidTagError, async_ckpt.AsyncCkptError)
     assert issubclass(async_ckpt.SaveFailedError, async_ckpt.AsyncCkptError)
