@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,6 @@ def _settles(future: Future, timeout: float | None) -> bool:
     """Whether ``future`` ends (with a result or a failure) within ``timeout`` seconds."""
     try:
         future.exception(timeout)
-    except TimeoutError:
+    except FutureTimeoutError:  # the builtin TimeoutError only from Python 3.11 on
         return False
     return True
