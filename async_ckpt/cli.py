@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -134,7 +134,8 @@ def _to_universal(args: argparse.Namespace) -> int:
     from async_ckpt.universal import to_universal
 
     source = _storage(args)
-    options = json.loads(args.out_storage_options) if args.out_storage_options else dict(_source_options(args))
+    options = (_json_object(args.out_storage_options, "--out-storage-options") if args.out_storage_options
+               else dict(_source_options(args)))
     with contextlib.closing(open_storage(args.out, options if "://" in args.out else None)) as dest:
         report = to_universal(source, resolve(source, args.tag), dest, tag=args.out_tag, workers=args.workers,
                               show_progress=not args.json)
@@ -146,10 +147,40 @@ def _to_universal(args: argparse.Namespace) -> int:
 
 def _source_options(args: argparse.Namespace) -> dict[str, Any]:
     """The storage options given for the source URL (``--storage-options``, ``--endpoint``)."""
-    options = json.loads(args.storage_options) if args.storage_options else {}
+    options = _json_object(args.storage_options, "--storage-options") if args.storage_options else {}
     if args.endpoint:
         options["endpoint_url"] = args.endpoint
     return options
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object (fsspec's keyword arguments); :class:`UsageError` naming ``flag``
+    for anything else (a list, a number)."""
+    from async_ckpt.errors import UsageError
+
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} must be a JSON object of fsspec options, such as '{{\"anon\": true}}', "
+                         f"got {type(value).__name__}: {text}")
+    return value
+
+
+def _bounded_number(kind: type, minimum: float) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses ``kind`` and refuses values below ``minimum``, naming both."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not value >= minimum:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, got {text!r}")
+        return value
+    return parse
+
+
+_COUNT, _INDEX = _bounded_number(int, 1), _bounded_number(int, 0)
+_SECONDS, _GIGABYTES = _bounded_number(float, 0), _bounded_number(float, 1e-3)
 
 
 def _require_extra(extra: str, modules: tuple[str, ...]) -> None:
@@ -203,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small GPT on 2 CPU ranks, save asynchronously, resume")
     demo.add_argument("--dir", default=None, help="checkpoint root (default: a new temporary folder)")
-    demo.add_argument("--steps", type=int, default=20, help="training steps in phase 1 (default 20)")
-    demo.add_argument("--save-every", type=int, default=5, help="steps between saves (default 5)")
+    demo.add_argument("--steps", type=_COUNT, default=20, help="training steps in phase 1 (default 20)")
+    demo.add_argument("--save-every", type=_COUNT, default=5, help="steps between saves (default 5)")
     demo.add_argument("--size", choices=["tiny", "small", "bench"], default="small", help="model size")
     demo.set_defaults(func=_demo)
     ls = sub.add_parser("ls", help="list tags: committed or incomplete, step, size, ranks, ZeRO stage, time")
@@ -215,15 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=_verify)
     gc = sub.add_parser("gc", help="remove incomplete tags, partial files and orphaned multipart uploads")
     _root_args(gc)
-    gc.add_argument("--grace-s", type=float, default=3600.0, help="leave anything younger alone (default 3600)")
+    gc.add_argument("--grace-s", type=_SECONDS, default=3600.0,
+                    help="leave anything younger alone (default 3600)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     gc.set_defaults(func=_gc)
     pull = sub.add_parser("pull", help="download a committed tag into a local DeepSpeed checkpoint folder "
                                        "(parallel, resumable, verified)")
     _root_args(pull, tag_verb="pull")
     pull.add_argument("--dest", required=True, help="local folder; becomes a checkpoint root with 'latest'")
-    pull.add_argument("--rank", type=int, default=None, help="only the files this data-parallel rank loads")
-    pull.add_argument("--concurrency", type=int, default=8, help="files fetched at once (default 8)")
+    pull.add_argument("--rank", type=_INDEX, default=None, help="only the files this data-parallel rank loads")
+    pull.add_argument("--concurrency", type=_COUNT, default=8, help="files fetched at once (default 8)")
     pull.add_argument("--quiet", action="store_true", help="no progress bar")
     pull.set_defaults(func=_pull)
     export = sub.add_parser("export", help="consolidate a tag (DeepSpeed's zero_to_fp32) into a Hugging Face "
@@ -233,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
     export.add_argument("--safetensors", action=argparse.BooleanOptionalAction, default=True,
                         help="safetensors shards (default) or, with --no-safetensors, pytorch_model .bin shards")
-    export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest shard in GB (default 5)")
+    export.add_argument("--max-shard-gb", type=_GIGABYTES, default=5.0, help="largest shard in GB (default 5)")
     export.set_defaults(func=_export)
     universal = sub.add_parser("to-universal", help="convert a tag with DeepSpeed's ds_to_universal so it loads "
                                                     "on any number of ranks (checkpoint.load_universal)")
@@ -242,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     universal.add_argument("--out-tag", default=None, help="name of the converted tag (default: <tag>_universal)")
     universal.add_argument("--out-storage-options", default=None,
                            help="fsspec options for --out as JSON (default: the source's options)")
-    universal.add_argument("--workers", type=int, default=2, help="ds_to_universal worker processes (default 2)")
+    universal.add_argument("--workers", type=_COUNT, default=2, help="ds_to_universal worker processes (default 2)")
     universal.set_defaults(func=_to_universal)
     bench = sub.add_parser("bench", help="save stall, time to durable and slowdown vs stock DeepSpeed, "
                                          "DCP async_save and the hardware floors")

@@ -156,6 +156,26 @@ def test_an_unreachable_endpoint_is_a_clear_error(capsys):
     assert code == 2 and "cannot read s3://bucket/run" in err and "Check the URL" in err
 
 
+@pytest.mark.parametrize("argv,flag", [(("pull", "{root}", "--dest", "{tmp}/p", "--concurrency", "0"), "--concurrency"),
+                                       (("pull", "{root}", "--dest", "{tmp}/p", "--rank", "-1"), "--rank"),
+                                       (("to-universal", "{root}", "--out", "{tmp}/u", "--workers", "0"), "--workers"),
+                                       (("export", "{root}", "--out", "{tmp}/e", "--max-shard-gb", "0"), "--max-shard-gb"),
+                                       (("gc", "{root}", "--grace-s", "-1"), "--grace-s"),
+                                       (("demo", "--steps", "0"), "--steps")])
+def test_an_out_of_range_number_is_refused_naming_the_flag(argv, flag, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main([a.format(root=tmp_path, tmp=tmp_path) for a in argv])
+    assert exit_info.value.code == 2 and f"argument {flag}: must be at least" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("flag", ["--storage-options", "--out-storage-options"])
+def test_storage_options_that_are_not_a_json_object_are_refused_naming_the_flag(flag, local_root, capsys, tmp_path):
+    code, _, err = run_cli(capsys, "to-universal", str(local_root), "--out", str(tmp_path / "u"), flag, "[1]")
+    assert code == 2 and f"{flag} must be a JSON object" in err
+    assert os.listdir(tmp_path) == []
+
+
 def test_pull_shows_a_byte_progress_bar_on_stderr(local_root, capsys, tmp_path):
     code, out, err = run_cli(capsys, "pull", str(local_root), "--dest", str(tmp_path / "pulled"))
     assert code == 0 and "pulled second" in out
