@@ -125,13 +125,12 @@ class AsyncCheckpointer:
         self.tokenizer = tokenizer
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.storage = self._open(config.url)
-        self._storages: dict[str, Storage] = {_normalize(config.url): self.storage}
         self._shadow = tempfile.mkdtemp(prefix="async_ckpt_shadow_")
         # close() removes it; so do the process's exit and the collection of a checkpointer never
         # closed (HF Trainer and DeepSpeed's own tests never close theirs): no process leaves one behind.
         self._remove_shadow = weakref.finalize(self, _remove_folder, self._shadow, os.getpid())
         self._pool = StagingPool(copier_init=functools.partial(lower_thread_priority, config.writer_nice))
+        self._storages: dict[str, Storage] = {}
         self._session: _Session | None = None
         self._last_job: SaveJob | None = None
         self._staging: CopyTicket | None = None
@@ -142,24 +141,42 @@ class AsyncCheckpointer:
         self._errors_lock = threading.Lock()
         self._closed = False
         self.last_fetch: PullReport | None = None
-        self._store = job_store(self.world_size)  # the writer thread's own client of the job's c10d store
+        self._store: Any = None
         self._local: Storage | None = None
         self._drainer: Drainer | None = None
+        self._writer: BackgroundWriter | None = None
         self._node_ranks: tuple[int, ...] = ()  # with a local tier: the ranks sharing this rank's folder
         self._drain_failed = False
-        if config.local_tier is not None:
-            self._open_local_tier(config.local_tier)
         self._lower_rank_writes_model_states: dict[str, bool] = {}  # by storage URL; see _model_states_writer
-        self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
-                                        nice=config.writer_nice, exact_bytes=config.exact_bytes,
-                                        cache_dir=config.cache_dir, on_done=config.on_save_done,
-                                        on_local_commit=self._drain_later if self._drainer else None)
         self._previous_engine = engine.checkpoint_engine
+        try:
+            self._start(on_cpu=torch.device(getattr(engine, "device", "cpu")).type == "cpu")
+        except BaseException:
+            # nothing of a wrap() that failed outlives it: its threads, memory, storage clients and folder
+            if self._writer is not None:
+                self._writer.stop()  # idle: no save was queued
+                self._writer.join(self.config.wait_timeout_s)
+            self._release()
+            raise
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint
         engine.save_16bit_model = self._engine_save_16bit_model
         inflight.register(self)
-        on_cpu = torch.device(getattr(engine, "device", "cpu")).type == "cpu"
+        logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
+
+    def _start(self, *, on_cpu: bool) -> None:
+        """Open the storages, start the writer (and drainer) threads and reserve the staging memory;
+        the engine is handed over only once all of it succeeded."""
+        config, engine = self.config, self.engine
+        self.storage = self._open(config.url)
+        self._storages[_normalize(config.url)] = self.storage
+        self._store = job_store(self.world_size)  # the writer thread's own client of the job's c10d store
+        if config.local_tier is not None:
+            self._open_local_tier(config.local_tier)
+        self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
+                                        nice=config.writer_nice, exact_bytes=config.exact_bytes,
+                                        cache_dir=config.cache_dir, on_done=config.on_save_done,
+                                        on_local_commit=self._drain_later if self._drainer else None)
         self.synchronous = self._writes_synchronously(on_cpu)
         stages = any(tier is not None and tier.aligned_lending for tier in (self.storage, self._local))
         if not on_cpu or not self.synchronous or stages:
@@ -170,7 +187,6 @@ class AsyncCheckpointer:
             self._pool.reserve(estimate.nbytes, buffers=estimate.buffers, pin_for=estimate.device if cuda else None)
         if on_cpu and not self.synchronous:
             self._warn_of_memory_filesystems()
-        logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
         if self._drainer is not None:
             self._resume_drains()
 
@@ -301,11 +317,15 @@ class AsyncCheckpointer:
         """:meth:`load` with a local tier: the newest tag every rank can read from some tier, each rank
         reading from the nearest one that holds its files intact (its node's folder after a process
         restart, the durable URL after a node replacement or a wiped folder), logged per rank."""
-        views = self._gather((committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None))
+        views = self._gather_checked("to list the committed tags", lambda: (
+            committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None))
         local_views, durable_view = [v[0] for v in views], views[0][1]
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
+        unreadable: str | None = None  # the first tag's problem, once fallen back
         while True:
             chosen, why = choose_tag(tag, local_views, durable_view)
+            if chosen is None and unreadable is not None:
+                raise VerificationError(f"{unreadable}; no older committed tag to fall back to")
             if chosen is None:
                 raise CheckpointNotFoundError(f"cannot resume from {self.config.local_tier} (local tier) or "
                                               f"{self.storage.url}: {why}")
@@ -318,12 +338,16 @@ class AsyncCheckpointer:
             problems = [p for p in self._gather(problem) if p]
             if not problems:
                 break
-            if not fallback or tag is not None:
-                raise VerificationError(f"tag {chosen!r} cannot be read on every rank: {problems[0]}"
-                                        + ("" if fallback else "; pass fallback=True to take an older tag"))
+            if not fallback:
+                raise VerificationError(f"tag {chosen!r} cannot be read on every rank: {problems[0]}; pass "
+                                        "fallback=True to take an older tag")
             logger.warning("rank %d: %s; falling back to an older tag", self.rank, problems[0])
-            for view in (*local_views, durable_view):
-                view.pop(chosen, None)
+            unreadable = unreadable or problems[0]
+            failed = (durable_view.get(chosen) or local_views[0][chosen])[:2]  # (step, created), as choose_tag
+            for view in (*local_views, durable_view):  # the newest older tag next, as without tiers
+                for newer in [t for t, info in view.items() if info[:2] >= failed]:
+                    view.pop(newer)
+            tag = None
         self._check_compatible(manifest)
         return self._deepspeed_load(load_dir, manifest, source, **options)
 
@@ -372,24 +396,32 @@ class AsyncCheckpointer:
                 self._handles.extend(self._drainer.retry_failed())
                 self._await_handles(self.config.wait_timeout_s)
         finally:
-            if self._drainer is not None:
-                self._drainer.stop()
-                self._drainer.join(self.config.wait_timeout_s)
-            self._closed = True
-            inflight.unregister(self)
-            self._pool.close()
-            for storage in self._storages.values():
-                storage.close()
-            if self._local is not None:
-                self._local.close()
-            self._store = self._last_job = None  # the store client (and the last job's reference to it) holds a socket
-            self.engine.checkpoint_engine = self._previous_engine
-            if self.engine.__dict__.get("save_checkpoint") == self._engine_save_checkpoint:
-                del self.engine.save_checkpoint
-            if self.engine.__dict__.get("save_16bit_model") == self._engine_save_16bit_model:
-                del self.engine.save_16bit_model
-            self._remove_shadow()
+            self._release()
         self._surface_errors()
+
+    def _release(self) -> None:
+        """Stop the threads, free the staging memory, close the storages and give the engine back: the end
+        of :meth:`close`, and of a ``wrap()`` that failed part-way (whatever it had started)."""
+        if self._drainer is not None:
+            self._drainer.stop()
+            if not self._drainer.join(self.config.wait_timeout_s):
+                logger.warning("rank %d: the drainer thread did not stop within %.0f s; a drain to %s may still "
+                               "be running, and fails once its storage is closed", self.rank,
+                               self.config.wait_timeout_s, self.config.url)
+        self._closed = True
+        inflight.unregister(self)
+        self._pool.close()
+        for storage in self._storages.values():
+            storage.close()
+        if self._local is not None:
+            self._local.close()
+        self._store = self._last_job = None  # the store client (and the last job's reference to it) holds a socket
+        self.engine.checkpoint_engine = self._previous_engine
+        if self.engine.__dict__.get("save_checkpoint") == self._engine_save_checkpoint:
+            del self.engine.save_checkpoint
+        if self.engine.__dict__.get("save_16bit_model") == self._engine_save_16bit_model:
+            del self.engine.save_16bit_model
+        self._remove_shadow()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -572,8 +604,11 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ tiers
     def _open_local_tier(self, path: str) -> None:
         """Open this rank's node folder, learn which ranks share it, start the drainer thread."""
-        self._local = self._open(path)
-        nodes = nodes_from(self._gather(folder_identity(path)))
+        def open_folder() -> tuple[str, int, int]:
+            self._local = self._open(path)
+            return folder_identity(path)
+
+        nodes = nodes_from(self._gather_checked(f"to open the local tier {path}", open_folder))
         node = next(n for n in nodes if self.rank in n.ranks)
         self._node_ranks = node.ranks
         target = DrainTarget(local=self._local, durable=self.storage, keep_last=self.config.keep_last,
@@ -650,7 +685,8 @@ class AsyncCheckpointer:
 
     def _resume_drains(self) -> None:
         """At ``wrap()``: every rank drains the tags rank 0 found undrained (a collective, like wrap() itself)."""
-        self._start_drains(self._gather(self._drains_to_resume() if self.rank == 0 else None)[0])
+        self._start_drains(self._gather_checked("to find the drains to resume", lambda: (
+            self._drains_to_resume() if self.rank == 0 else None))[0])
 
     def _start_drains(self, drains: list[tuple[str, str]]) -> None:
         for drain_id, raw in drains:
@@ -660,6 +696,24 @@ class AsyncCheckpointer:
                                             stall_s=0.0, persist_s=0.0, commit_s=0.0))
             self._track(handle)
             self._drainer.submit(DrainJob(manifest=manifest, drain_id=drain_id, handle=handle))
+
+    def _gather_checked(self, what: str, compute: Callable[[], Any]) -> list[Any]:
+        """Every rank's ``compute()``, gathered. Where it raised on any rank, every rank raises after the
+        collective (that rank its own error, the others a :class:`StorageError` naming it): a rank that
+        raised before the collective would leave the others waiting in it until the job's timeout."""
+        value, problem = None, None
+        try:
+            value = compute()
+        except Exception as exc:  # raised below, after the collective
+            problem = exc
+        gathered = self._gather((value, brief(problem) if problem is not None else None))
+        if problem is not None:
+            raise problem
+        failed = [(rank, text) for rank, (_, text) in enumerate(gathered) if text]
+        if failed:
+            rank, text = failed[0]
+            raise StorageError(f"rank {rank} failed {what} ({text}); see that rank's error for the fix")
+        return [v for v, _ in gathered]
 
     def _gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (one collective on the training thread, as DeepSpeed's own load does)."""

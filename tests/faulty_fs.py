@@ -5,7 +5,8 @@ Registered as ``faulty://`` inside the rank processes. ``storage_options``:
 default all), ``gate_match`` (gate only paths containing this, default ``.pt.``), ``fail_ranks`` (ranks whose
 writes of ``*.pt`` files fail), ``fail_errno`` (the error they get: ``ENOSPC`` by default, ``EIO``, ``EACCES``...),
 ``fail_after_bytes`` (bytes of each such file written before the failure, default 0), ``latency_s`` (sleep
-before every write of a ``*.pt`` file, on every rank), ``fail_rm`` (deletions of paths containing this fail: permission denied).
+before every write of a ``*.pt`` file, on every rank), ``fail_rm`` (deletions of paths containing this fail: permission denied),
+``fail_ls_ranks`` (ranks whose folder listings fail: an I/O error).
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class FaultyFileSystem(LocalFileSystem):
 
     def __init__(self, gate: str | None = None, gate_ranks=None, gate_match: str = ".pt.", fail_ranks=(),
                  fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, fail_rm: str | None = None,
-                 **kwargs) -> None:
+                 fail_ls_ranks=(), **kwargs) -> None:
         super().__init__(**kwargs)
+        self.fail_ls_ranks = set(fail_ls_ranks)
         self.fail_rm = fail_rm
         self.fail_errno = fail_errno
         self.fail_after_bytes = fail_after_bytes
@@ -81,6 +83,11 @@ class FaultyFileSystem(LocalFileSystem):
         if self.fail_rm and self.fail_rm in str(path):
             raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
         return super().rm(path, *args, **kwargs)
+
+    def ls(self, path, *args, **kwargs):
+        if int(os.environ.get("RANK", "0")) in self.fail_ls_ranks:
+            raise OSError(errno.EIO, "Input/output error (injected)", path)
+        return super().ls(path, *args, **kwargs)
 
     def rm_file(self, path):
         self.rm(path)

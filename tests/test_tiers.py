@@ -174,6 +174,45 @@ def test_a_failed_drain_is_redone_by_close_or_by_the_next_save(healed):
     assert read_latest(durable) == ("second" if healed["by"] == "save" else "first")
 
 
+@pytest.fixture(scope="module")
+def fell_back(ranks, tmp_path_factory):
+    work = tmp_path_factory.mktemp("fallback")
+    return ranks.run(tier_tasks.fallback_in_tiers, str(work / "durable"), str(work))
+
+
+def test_a_tag_unreadable_in_every_tier_is_refused_without_fallback(fell_back):
+    for out in fell_back:
+        kind, message = out["refused"]
+        assert kind == "VerificationError" and "pass fallback=True" in message
+
+
+def test_fallback_moves_every_rank_to_the_newest_older_readable_tag_by_name_and_by_default(fell_back):
+    assert [(out["named"], out["default"], out["after_repair"]) for out in fell_back] == \
+        [("older", "older", "newer")] * 2
+
+
+@pytest.fixture(scope="module", params=[("local_tier", 1), ("drain_listing", 0)], ids=["local_tier", "drain_listing"])
+def failed_wrap(request, ranks, tmp_path_factory):
+    """wrap() failed on one rank only (``failing``): its local tier, or its listing of the durable tier."""
+    where, failing = request.param
+    work = tmp_path_factory.mktemp(f"failed-wrap-{where}")
+    out = ranks.run(tier_tasks.wrap_fails_on_one_rank, str(work / "durable"), str(work), where, timeout_s=240)
+    return {"failing": failing, "ranks": out}
+
+
+def test_a_wrap_that_fails_on_one_rank_raises_on_every_rank_instead_of_leaving_the_others_waiting(failed_wrap):
+    failing, out = failed_wrap["failing"], failed_wrap["ranks"]
+    assert out[failing]["error"] is not None
+    kind, message = out[1 - failing]["error"]
+    assert kind == "StorageError" and f"rank {failing} failed" in message
+
+
+def test_a_wrap_that_failed_gives_the_engine_back_and_leaves_no_thread_running(failed_wrap):
+    for out in failed_wrap["ranks"]:
+        assert out["engine_given_back"] is True
+        assert out["threads_left"] == []
+
+
 @pytest.mark.parametrize("local_tier,why", [("s3://bucket/fast", "not a URL"), ("{url}/inside", "overlap")])
 def test_a_local_tier_that_is_a_url_or_inside_the_durable_folder_is_refused_before_anything_is_written(
         tmp_path, local_tier, why):

@@ -7,13 +7,14 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 
 import torch.distributed as dist
 
 import async_ckpt
 from async_ckpt import workload
-from rank_tasks import STEPS_AFTER, async_ckpt_log
+from rank_tasks import STEPS_AFTER, _outcome, async_ckpt_log
 
 STAGE = 2  # ZeRO-2: rank 1 reads the model-states file that rank 0 writes, so node folders must each hold one
 
@@ -147,4 +148,63 @@ def drain_fails_then_heals(durable: str, work: str, heal_by: str) -> dict:
         workload.train(engine, 1, tokens, _rank())
         ckpt.save(tag="second").result(timeout=120)
     ckpt.close()
+    return out
+
+
+def wrap_fails_on_one_rank(durable: str, work: str, where: str) -> dict:
+    """wrap() fails on one rank only: rank 1's local tier lies under a plain file (``where="local_tier"``,
+    before any thread starts), or rank 0's listing of the durable tier fails (``"drain_listing"``: the
+    search for drains to resume, after the writer thread started and the staging memory was reserved)."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    own_engine = engine.checkpoint_engine
+    blocker = os.path.join(work, "plain-file")
+    if _rank() == 1:
+        open(blocker, "w").close()
+    tier = os.path.join(blocker, "node1") if where == "local_tier" and _rank() == 1 else node_folder(work, _rank())
+    options = {"fail_ls_ranks": [0] if where == "drain_listing" else [], "skip_instance_cache": True}
+    before = set(threading.enumerate())
+    error = _outcome(lambda: async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
+                                             local_tier=tier, retry_attempts=1))
+    dist.barrier()  # both ranks got here: neither waits in a collective the other left
+    return {"error": error, "engine_given_back": engine.checkpoint_engine is own_engine
+            and "save_checkpoint" not in engine.__dict__ and "save_16bit_model" not in engine.__dict__,
+            "threads_left": [t.name for t in threading.enumerate() if t not in before and t.is_alive()]}
+
+
+def _flip_a_byte(path: str) -> None:
+    """Corrupt ``path`` in place: same size, one byte in its middle changed."""
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def fallback_in_tiers(durable: str, work: str) -> dict:
+    """Tags 'older', 'newer' and 'newest' saved in tiers and drained; then a file of 'newer' and one of 'newest'
+    are corrupted in both tiers. ``load(fallback=True)`` by name and by default takes 'older'; without
+    fallback a load is refused; with only 'newest' left unreadable, the last load falls back to 'newer'."""
+    tokens = workload.token_stream()
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    optim = f"zero_pp_rank_{_rank()}_mp_rank_00_optim_states.pt"
+    with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank())) as ckpt:
+        for tag in ("older", "newer", "newest"):
+            ckpt.save(tag=tag)
+            workload.train(engine, 1, tokens, _rank())
+        ckpt.wait()
+        dist.barrier()
+        for tag in ("newer", "newest"):  # each rank its own file, in its node folder and in the durable one
+            for root in (node_folder(work, _rank()), durable):
+                _flip_a_byte(os.path.join(root, tag, optim))
+        dist.barrier()
+        out = {"refused": _outcome(lambda: ckpt.load(tag="newer")),
+               "named": ckpt.load(tag="newest", fallback=True)[0], "default": ckpt.load(fallback=True)[0]}
+        dist.barrier()
+        for root in (node_folder(work, _rank()), durable):
+            _flip_a_byte(os.path.join(root, "newer", optim))  # flipped back: 'newer' is whole again
+        dist.barrier()
+        out["after_repair"] = ckpt.load(fallback=True)[0]
     return out
