@@ -270,7 +270,7 @@ class AsyncCheckpointer:
                                      load_lr_scheduler_states=load_lr_scheduler_states,
                                      load_module_strict=load_module_strict)
         self.wait()
-        manifest = resolve(self.storage, tag, universal=self._loads_universal())
+        manifest = self._resolve_on_every_rank(tag)
         self._check_compatible(manifest)
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
         while True:
@@ -303,6 +303,23 @@ class AsyncCheckpointer:
         return self._deepspeed_load(load_dir, manifest, self.storage.url, load_optimizer_states=load_optimizer_states,
                                     load_lr_scheduler_states=load_lr_scheduler_states,
                                     load_module_strict=load_module_strict)
+
+    def _resolve_on_every_rank(self, tag: str | None) -> Manifest:
+        """:func:`~async_ckpt.resume.resolve` on every rank, which must all find the same tag: a rank whose
+        read failed raises on every rank (not only its own, which would leave the others waiting in the
+        next collective), and ranks that found different tags (another job committing there meanwhile)
+        are refused rather than each loading its own."""
+        found: list[Manifest] = []
+
+        def find() -> str:
+            found.append(resolve(self.storage, tag, universal=self._loads_universal()))
+            return found[0].tag
+
+        tags = set(self._gather_checked(f"to find the tag to load at {self.storage.url}", find))
+        if len(tags) > 1:
+            raise StorageError(f"the ranks found different tags to load at {self.storage.url} ({sorted(tags)}): is "
+                               "another job saving there? Stop it, or pass tag= to load()")
+        return found[0]
 
     def _deepspeed_load(self, load_dir: str, manifest: Manifest, source: str, **options: bool) -> tuple[str, dict]:
         load = type(self.engine).load_checkpoint

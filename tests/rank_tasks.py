@@ -415,6 +415,23 @@ def load_manifest_from_other_layout(root: str, field: str, value: int) -> dict:
         return {"load": _outcome(lambda: ckpt.load())}
 
 
+def load_fails_on_one_rank(root: str) -> dict:
+    """After a committed save, rank 1's listings of the root fail (an I/O error) and every rank calls
+    load(): returns each rank's outcome, once both ranks are past it."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"skip_instance_cache": True},
+                         retry_attempts=1) as ckpt:
+        ckpt.save(tag="a").result(timeout=120)
+        ckpt.storage.fs.fail_ls_ranks = {1}
+        outcome = _outcome(ckpt.load)
+        dist.barrier()  # both ranks got here: neither waits in a collective the other left
+        ckpt.storage.fs.fail_ls_ranks = set()
+    return {"load": outcome}
+
+
 def retention(root: str, keep_last: int, keep_every: int | None) -> dict:
     """Five saves, one step apart (steps 1..5); which committed tags survive."""
     engine = workload.make_engine(1, "fp32")

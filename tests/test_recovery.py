@@ -64,6 +64,13 @@ def test_manifest_from_another_zero_stage_is_refused(ranks, tmp_path):
     assert kind == "UsageError" and "ZeRO-1" in message and "ZeRO-2" in message
 
 
+def test_a_load_that_fails_on_one_rank_raises_on_every_rank_instead_of_leaving_the_others_waiting(ranks, tmp_path):
+    out = ranks.run(rank_tasks.load_fails_on_one_rank, str(tmp_path / "ckpt"), timeout_s=240)
+    assert out[1]["load"][0] == "OSError" and "injected" in out[1]["load"][1]
+    kind, message = out[0]["load"]
+    assert kind == "StorageError" and "rank 1 failed to find the tag to load" in message
+
+
 def test_keep_last_deletes_older_committed_tags_after_newer_commits(ranks, tmp_path):
     out = ranks.run(rank_tasks.retention, str(tmp_path / "ckpt"), 2, None)[0]
     assert out["tags"] == ["global_step4", "global_step5"] and out["latest"] == "global_step5"
