@@ -165,14 +165,31 @@ class AsyncCheckpointer:
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
 
     def _start(self, *, on_cpu: bool) -> None:
-        """Open the storages, start the writer (and drainer) threads and reserve the staging memory;
-        the engine is handed over only once all of it succeeded."""
+        """Open the storages, start the writer (and drainer) threads, reserve the staging memory and, with a
+        local tier, resume the drains a previous job left cut short; the engine is handed over only once
+        all of it succeeded. With a local tier these steps meet in collectives, each checked: a failure on
+        one rank is raised on every rank. Without one, wrap() runs no collective."""
+        if self.config.local_tier is None:
+            self._open_durable()
+            self._prepare(on_cpu)
+            return
+        self._open_local_tier(self.config.local_tier)
+
+        def prepare() -> list[tuple[str, str]] | None:
+            self._prepare(on_cpu)
+            return self._drains_to_resume() if self.rank == 0 else None
+
+        self._start_drains(self._gather_checked("to reserve staging memory or find the drains to resume",
+                                                prepare)[0])
+
+    def _open_durable(self) -> None:
+        self.storage = self._open(self.config.url)
+        self._storages[_normalize(self.config.url)] = self.storage
+
+    def _prepare(self, on_cpu: bool) -> None:
+        """Start the writer thread, choose synchronous saves or not, and reserve the staging memory."""
         config, engine = self.config, self.engine
-        self.storage = self._open(config.url)
-        self._storages[_normalize(config.url)] = self.storage
         self._store = job_store(self.world_size)  # the writer thread's own client of the job's c10d store
-        if config.local_tier is not None:
-            self._open_local_tier(config.local_tier)
         self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
                                         nice=config.writer_nice, exact_bytes=config.exact_bytes,
                                         cache_dir=config.cache_dir, on_done=config.on_save_done,
@@ -187,8 +204,6 @@ class AsyncCheckpointer:
             self._pool.reserve(estimate.nbytes, buffers=estimate.buffers, pin_for=estimate.device if cuda else None)
         if on_cpu and not self.synchronous:
             self._warn_of_memory_filesystems()
-        if self._drainer is not None:
-            self._resume_drains()
 
     # ------------------------------------------------------------------ public API
     def save(self, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> SaveHandle:
@@ -270,7 +285,8 @@ class AsyncCheckpointer:
                                      load_lr_scheduler_states=load_lr_scheduler_states,
                                      load_module_strict=load_module_strict)
         self.wait()
-        manifest = self._resolve_on_every_rank(tag)
+        manifest = self._agreed_manifest(f"to find the tag to load at {self.storage.url}",
+                                         lambda: resolve(self.storage, tag, universal=self._loads_universal()))
         self._check_compatible(manifest)
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
         while True:
@@ -295,7 +311,9 @@ class AsyncCheckpointer:
             if not any(problems):
                 break
             first = next(p for p in problems if p)
-            older = older_committed(self.storage, manifest) if fallback else None
+            older = self._agreed_manifest(f"to find a tag older than {manifest.tag!r} at {self.storage.url}",
+                                          lambda failed=manifest: older_committed(self.storage, failed)) \
+                if fallback else None
             if older is None:
                 raise VerificationError(first + ("" if not fallback else "; no older committed tag to fall back to"))
             logger.warning("rank %d: %s; falling back to %s", self.rank, first, older.tag)
@@ -304,21 +322,21 @@ class AsyncCheckpointer:
                                     load_lr_scheduler_states=load_lr_scheduler_states,
                                     load_module_strict=load_module_strict)
 
-    def _resolve_on_every_rank(self, tag: str | None) -> Manifest:
-        """:func:`~async_ckpt.resume.resolve` on every rank, which must all find the same tag: a rank whose
-        read failed raises on every rank (not only its own, which would leave the others waiting in the
-        next collective), and ranks that found different tags (another job committing there meanwhile)
-        are refused rather than each loading its own."""
-        found: list[Manifest] = []
+    def _agreed_manifest(self, what: str, find: Callable[[], Manifest | None]) -> Manifest | None:
+        """``find()`` on every rank, which must all find the same tag: a rank whose read failed raises on
+        every rank (not only its own, which would leave the others waiting in the next collective), and
+        ranks that found different tags (another job committing there meanwhile) are refused rather than
+        each loading its own. Only the tags are gathered, not the manifests."""
+        found: list[Manifest | None] = []
 
-        def find() -> str:
-            found.append(resolve(self.storage, tag, universal=self._loads_universal()))
-            return found[0].tag
+        def tag_found() -> str | None:
+            found.append(find())
+            return found[0].tag if found[0] is not None else None
 
-        tags = set(self._gather_checked(f"to find the tag to load at {self.storage.url}", find))
+        tags = set(self._gather_checked(what, tag_found))
         if len(tags) > 1:
-            raise StorageError(f"the ranks found different tags to load at {self.storage.url} ({sorted(tags)}): is "
-                               "another job saving there? Stop it, or pass tag= to load()")
+            raise StorageError(f"the ranks found different tags at {self.storage.url} ({sorted(map(str, tags))}): "
+                               "is another job saving there? Stop it, or pass tag= to load()")
         return found[0]
 
     def _deepspeed_load(self, load_dir: str, manifest: Manifest, source: str, **options: bool) -> tuple[str, dict]:
@@ -339,8 +357,9 @@ class AsyncCheckpointer:
         local_views, durable_view = [v[0] for v in views], views[0][1]
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
         unreadable: str | None = None  # the first tag's problem, once fallen back
+        failed: str | None = None  # the last tag that could not be read
         while True:
-            chosen, why = choose_tag(tag, local_views, durable_view)
+            chosen, why = choose_tag(tag, local_views, durable_view, older_than=failed)
             if chosen is None and unreadable is not None:
                 raise VerificationError(f"{unreadable}; no older committed tag to fall back to")
             if chosen is None:
@@ -360,11 +379,7 @@ class AsyncCheckpointer:
                                         "fallback=True to take an older tag")
             logger.warning("rank %d: %s; falling back to an older tag", self.rank, problems[0])
             unreadable = unreadable or problems[0]
-            failed = (durable_view.get(chosen) or local_views[0][chosen])[:2]  # (step, created), as choose_tag
-            for view in (*local_views, durable_view):  # the newest older tag next, as without tiers
-                for newer in [t for t, info in view.items() if info[:2] >= failed]:
-                    view.pop(newer)
-            tag = None
+            failed = chosen
         self._check_compatible(manifest)
         return self._deepspeed_load(load_dir, manifest, source, **options)
 
@@ -620,12 +635,14 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ tiers
     def _open_local_tier(self, path: str) -> None:
-        """Open this rank's node folder, learn which ranks share it, start the drainer thread."""
-        def open_folder() -> tuple[str, int, int]:
+        """Open the durable storage and this rank's node folder, learn which ranks share it, start the
+        drainer thread."""
+        def open_folders() -> tuple[str, int, int]:
+            self._open_durable()
             self._local = self._open(path)
             return folder_identity(path)
 
-        nodes = nodes_from(self._gather_checked(f"to open the local tier {path}", open_folder))
+        nodes = nodes_from(self._gather_checked(f"to open {self.config.url} or the local tier {path}", open_folders))
         node = next(n for n in nodes if self.rank in n.ranks)
         self._node_ranks = node.ranks
         target = DrainTarget(local=self._local, durable=self.storage, keep_last=self.config.keep_last,
@@ -699,11 +716,6 @@ class AsyncCheckpointer:
             logger.warning("resuming the drain of %d tag(s) committed locally but not at %s: %s", len(pending),
                            self.storage.url, ", ".join(m.tag for m in pending))
         return [(uuid.uuid4().hex, m.to_json().decode()) for m in pending]
-
-    def _resume_drains(self) -> None:
-        """At ``wrap()``: every rank drains the tags rank 0 found undrained (a collective, like wrap() itself)."""
-        self._start_drains(self._gather_checked("to find the drains to resume", lambda: (
-            self._drains_to_resume() if self.rank == 0 else None))[0])
 
     def _start_drains(self, drains: list[tuple[str, str]]) -> None:
         for drain_id, raw in drains:

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from dataclasses import asdict
@@ -173,14 +174,14 @@ def _bounded_number(kind: type, minimum: float) -> Callable[[str], Any]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
                                              f"got {text!r}") from None
-        if not value >= minimum:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, got {text!r}")
+        if not (value >= minimum and math.isfinite(value)):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be at least {minimum:g} and finite, got {text!r}")
         return value
     return parse
 
 
 _COUNT, _INDEX = _bounded_number(int, 1), _bounded_number(int, 0)
-_SECONDS, _GIGABYTES = _bounded_number(float, 0), _bounded_number(float, 1e-3)
+_SECONDS, _GIGABYTES = _bounded_number(float, 0), _bounded_number(float, 1e-9)  # a shard of one byte at least
 
 
 def _require_extra(extra: str, modules: tuple[str, ...]) -> None:

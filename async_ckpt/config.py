@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -15,7 +14,9 @@ if TYPE_CHECKING:
 
 OnError = Literal["warn", "raise"]
 MiB = 1024 * 1024
-_WAIT_MARGIN_S = 400.0  # wait_timeout_s beyond 2 * commit_timeout_s by default: 4000 s at the default 1800 s
+_WAIT_MARGIN_S = 400.0  # wait_timeout_s's default beyond 2 * commit_timeout_s, for the save's own write
+_SHORTEST_DEFAULT_WAIT_S = 4000.0
+_LONGEST_S = 1e8  # about three years: any longer wait overflows neither a timedelta nor a thread join
 
 
 def default_cache_dir() -> str:
@@ -63,9 +64,9 @@ class CheckpointConfig:
             previous save to free the staging buffers, ``wait()`` and ``close()`` for pending
             saves (``wait(timeout=...)`` overrides it). Exceeded, they raise
             :class:`~async_ckpt.WaitTimeoutError` naming the rank, the tag and what was awaited.
-            ``None`` (the default) makes it ``2 * commit_timeout_s + 400`` (4000 s at the default
-            commit timeout): it outlasts a commit that times out, so a wait never gives up on a
-            commit still within its own limit, whatever ``commit_timeout_s`` is raised to.
+            ``None`` (the default): 4000 s, or ``2 * commit_timeout_s + 400`` where that is longer,
+            so that a wait outlasts a commit that times out (rank 0 waits ``commit_timeout_s`` for
+            every rank's files, the others up to twice that) when ``commit_timeout_s`` is raised.
         part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum).
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
         upload_threads: threads (each an event loop with its own client) that share the parts of
@@ -156,7 +157,8 @@ class CheckpointConfig:
             raise ConfigError(f"on_error must be 'warn' or 'raise', got {self.on_error!r}")
         _number("commit_timeout_s", self.commit_timeout_s, minimum=0, exclusive=True)
         if self.wait_timeout_s is None:
-            object.__setattr__(self, "wait_timeout_s", 2 * float(self.commit_timeout_s) + _WAIT_MARGIN_S)
+            object.__setattr__(self, "wait_timeout_s", min(_LONGEST_S, max(
+                _SHORTEST_DEFAULT_WAIT_S, 2 * float(self.commit_timeout_s) + _WAIT_MARGIN_S)))
         _number("wait_timeout_s", self.wait_timeout_s, minimum=0, exclusive=True)
         if _integer("part_size", self.part_size) < 5 * MiB:
             raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
@@ -220,10 +222,11 @@ def _integer(name: str, value: Any, minimum: int | None = None, maximum: int | N
 
 
 def _number(name: str, value: Any, *, minimum: float, exclusive: bool = False) -> float:
-    """``value`` if it is a finite real number (not a bool) above ``minimum``; else :class:`ConfigError`.
-
-    Infinity is refused: the waits it would set become timedeltas and thread joins, which overflow."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or (value <= minimum if exclusive else value < minimum):
-        raise ConfigError(f"{name} must be a finite number {'>' if exclusive else '>='} {minimum:g}, got {value!r}")
+    """``value`` if it is a real number (not a bool) above ``minimum`` and at most ``_LONGEST_S``; else
+    :class:`ConfigError`. Every number here is a duration, and the waits it sets become timedeltas and
+    thread joins, which overflow on infinity or on a huge finite value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or (value <= minimum if exclusive else value < minimum) or value > _LONGEST_S:
+        raise ConfigError(f"{name} must be a number {'>' if exclusive else '>='} {minimum:g} and at most "
+                          f"{_LONGEST_S:g} s, got {value!r}")
     return float(value)

@@ -107,16 +107,23 @@ def committed_view(storage: Storage) -> dict[str, tuple[int, float, bool, str]]:
             if info.committed and not info.manifest.universal and not info.manifest.consolidated}
 
 
-def choose_tag(tag: str | None, local_views: list[dict[str, Any]],
-               durable_view: dict[str, Any]) -> tuple[str | None, str]:
+def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view: dict[str, Any], *,
+               older_than: str | None = None) -> tuple[str | None, str]:
     """The tag every rank can read from some tier: ``tag`` if given, else the newest such tag.
 
     ``local_views[r]`` is what rank r's node folder holds committed; a tag committed at the URL is
     readable by every rank. Tags saved with ``save_latest=False`` are taken only when named, as
-    without tiers. Returns ``(tag, None-or-why not)``; the tag is ``None`` when there is none.
+    without tiers. ``older_than`` (a tag that could not be read, for ``load(fallback=True)``): instead,
+    the newest such tag committed before it, whether or not it moved ``latest``, as
+    :func:`~async_ckpt.resume.older_committed` chooses without tiers. Returns ``(tag, None-or-why
+    not)``; the tag is ``None`` when there is none.
     """
     shared_local = set.intersection(*(set(v) for v in local_views)) if local_views else set()
     readable = {t: durable_view.get(t) or local_views[0][t] for t in set(durable_view) | shared_local}
+    if older_than is not None:
+        limit = readable[older_than][:2]  # (step, created)
+        older = sorted((v[0], v[1], t) for t, v in readable.items() if v[:2] < limit)
+        return (older[-1][2], "") if older else (None, f"no tag older than {older_than!r} can be read by every rank")
     if tag is not None:
         if tag in readable:
             return tag, ""

@@ -161,6 +161,7 @@ def test_an_unreachable_endpoint_is_a_clear_error(capsys):
                                        (("to-universal", "{root}", "--out", "{tmp}/u", "--workers", "0"), "--workers"),
                                        (("export", "{root}", "--out", "{tmp}/e", "--max-shard-gb", "0"), "--max-shard-gb"),
                                        (("gc", "{root}", "--grace-s", "-1"), "--grace-s"),
+                                       (("export", "{root}", "--out", "{tmp}/e", "--max-shard-gb", "inf"), "--max-shard-gb"),
                                        (("demo", "--steps", "0"), "--steps")])
 def test_an_out_of_range_number_is_refused_naming_the_flag(argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:

@@ -186,9 +186,12 @@ def test_a_tag_unreadable_in_every_tier_is_refused_without_fallback(fell_back):
         assert kind == "VerificationError" and "pass fallback=True" in message
 
 
-def test_fallback_moves_every_rank_to_the_newest_older_readable_tag_by_name_and_by_default(fell_back):
-    assert [(out["named"], out["default"], out["after_repair"]) for out in fell_back] == \
-        [("older", "older", "newer")] * 2
+def test_fallback_from_a_named_tag_moves_every_rank_to_an_older_tag_not_a_newer_one(fell_back):
+    assert [(out["named"], out["newest_whole"]) for out in fell_back] == [("older", "newest")] * 2
+
+
+def test_fallback_by_default_moves_every_rank_to_the_newest_older_readable_tag(fell_back):
+    assert [(out["both_broken"], out["newer_repaired"]) for out in fell_back] == [("older", "newer")] * 2
 
 
 @pytest.fixture(scope="module", params=[("local_tier", 1), ("drain_listing", 0)], ids=["local_tier", "drain_listing"])
@@ -252,3 +255,12 @@ def test_a_restart_takes_the_newest_tag_every_rank_can_read_from_some_tier():
                                                     "local tier")
     tag, why = choose_tag("new", only_rank0_has_new, {})
     assert tag is None and "only rank(s) [0]" in why
+
+
+def test_a_fallback_takes_the_newest_readable_tag_older_than_the_one_that_failed_latest_or_not():
+    view = {"old": (1, 1.0, True, "a"), "unlisted": (2, 2.0, False, "b"), "new": (3, 3.0, True, "c"),
+            "newer": (4, 4.0, True, "d")}
+    assert choose_tag(None, [dict(view), dict(view)], {}, older_than="new") == ("unlisted", "")
+    assert choose_tag(None, [dict(view), {"old": view["old"], "new": view["new"]}], {}, older_than="new") == ("old", "")
+    tag, why = choose_tag(None, [dict(view), dict(view)], {}, older_than="old")
+    assert tag is None and "no tag older than 'old'" in why

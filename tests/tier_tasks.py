@@ -184,27 +184,30 @@ def _flip_a_byte(path: str) -> None:
 
 
 def fallback_in_tiers(durable: str, work: str) -> dict:
-    """Tags 'older', 'newer' and 'newest' saved in tiers and drained; then a file of 'newer' and one of 'newest'
-    are corrupted in both tiers. ``load(fallback=True)`` by name and by default takes 'older'; without
-    fallback a load is refused; with only 'newest' left unreadable, the last load falls back to 'newer'."""
+    """Tags 'older', 'newer' and 'newest' saved in tiers and drained. A file of 'newer' is corrupted in both
+    tiers: a load of it is refused without fallback, and with fallback takes 'older' (not 'newest'); the
+    default load still takes 'newest'. Then 'newest' is corrupted too: the default load falls back past
+    both to 'older'; with 'newer' repaired, to 'newer'."""
     tokens = workload.token_stream()
     engine = workload.make_engine(STAGE, "fp32", seed=11)
     optim = f"zero_pp_rank_{_rank()}_mp_rank_00_optim_states.pt"
+
+    def corrupt(tag: str) -> None:  # each rank its own file, in its node folder and in the durable one
+        dist.barrier()
+        for root in (node_folder(work, _rank()), durable):
+            _flip_a_byte(os.path.join(root, tag, optim))
+        dist.barrier()
+
     with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank())) as ckpt:
         for tag in ("older", "newer", "newest"):
             ckpt.save(tag=tag)
             workload.train(engine, 1, tokens, _rank())
         ckpt.wait()
-        dist.barrier()
-        for tag in ("newer", "newest"):  # each rank its own file, in its node folder and in the durable one
-            for root in (node_folder(work, _rank()), durable):
-                _flip_a_byte(os.path.join(root, tag, optim))
-        dist.barrier()
+        corrupt("newer")
         out = {"refused": _outcome(lambda: ckpt.load(tag="newer")),
-               "named": ckpt.load(tag="newest", fallback=True)[0], "default": ckpt.load(fallback=True)[0]}
-        dist.barrier()
-        for root in (node_folder(work, _rank()), durable):
-            _flip_a_byte(os.path.join(root, "newer", optim))  # flipped back: 'newer' is whole again
-        dist.barrier()
-        out["after_repair"] = ckpt.load(fallback=True)[0]
+               "named": ckpt.load(tag="newer", fallback=True)[0], "newest_whole": ckpt.load(fallback=True)[0]}
+        corrupt("newest")
+        out["both_broken"] = ckpt.load(fallback=True)[0]
+        corrupt("newer")  # flipped back: whole again
+        out["newer_repaired"] = ckpt.load(fallback=True)[0]
     return out
