@@ -289,25 +289,22 @@ class AsyncCheckpointer:
                                          lambda: resolve(self.storage, tag, universal=self._loads_universal()))
         self._check_compatible(manifest)
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
+        load_dir = None
         while True:
-            problem, error, load_dir = None, None, None
-            try:
-                if self.config.verify_on_load and self.storage.local_dir() is not None:
-                    check_for_rank(self.storage, manifest, dp_rank, mp_rank)
-                load_dir, self.last_fetch = fetch_for_rank(self.storage, manifest, dp_rank, self.config.cache_dir,
-                                                           self.config.max_concurrency, mp_rank)
-            except VerificationError as exc:
-                problem = str(exc)
-            except Exception as exc:  # every rank must hear of it, or the others wait in the gather below
-                error = exc
-            reports = self._gather((problem, f"{type(error).__name__}: {error}" if error else None))
-            failed = [(rank, text) for rank, (_, text) in enumerate(reports) if text]
-            if failed:
-                if error is not None:
-                    raise error
-                raise StorageError(f"rank {failed[0][0]} could not fetch tag {manifest.tag!r} from {self.storage.url}: "
-                                   f"{failed[0][1]}")
-            problems = [p for p, _ in reports]
+            def fetch() -> str | None:
+                """This rank's files of ``manifest``, verified and fetched: ``None``, or what failed verification
+                (every rank then falls back together); any other error is raised on every rank."""
+                nonlocal load_dir
+                try:
+                    if self.config.verify_on_load and self.storage.local_dir() is not None:
+                        check_for_rank(self.storage, manifest, dp_rank, mp_rank)
+                    load_dir, self.last_fetch = fetch_for_rank(self.storage, manifest, dp_rank, self.config.cache_dir,
+                                                               self.config.max_concurrency, mp_rank)
+                except VerificationError as exc:
+                    return str(exc)
+                return None
+
+            problems = self._gather_checked(f"to fetch tag {manifest.tag!r} from {self.storage.url}", fetch)
             if not any(problems):
                 break
             first = next(p for p in problems if p)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import async_ckpt
 from async_ckpt import workload
-from rank_tasks import STEPS_AFTER, _outcome, async_ckpt_log
+from rank_tasks import STEPS_AFTER, _flip_byte, _outcome, async_ckpt_log
 
 STAGE = 2  # ZeRO-2: rank 1 reads the model-states file that rank 0 writes, so node folders must each hold one
 
@@ -174,15 +174,6 @@ def wrap_fails_on_one_rank(durable: str, work: str, where: str) -> dict:
             "threads_left": [t.name for t in threading.enumerate() if t not in before and t.is_alive()]}
 
 
-def _flip_a_byte(path: str) -> None:
-    """Corrupt ``path`` in place: same size, one byte in its middle changed."""
-    with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) // 2)
-        byte = fh.read(1)
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
-
 def fallback_in_tiers(durable: str, work: str) -> dict:
     """Tags 'older', 'newer' and 'newest' saved in tiers and drained. A file of 'newer' is corrupted in both
     tiers: a load of it is refused without fallback, and with fallback takes 'older' (not 'newest'); the
@@ -195,7 +186,7 @@ def fallback_in_tiers(durable: str, work: str) -> dict:
     def corrupt(tag: str) -> None:  # each rank its own file, in its node folder and in the durable one
         dist.barrier()
         for root in (node_folder(work, _rank()), durable):
-            _flip_a_byte(os.path.join(root, tag, optim))
+            _flip_byte(os.path.join(root, tag, optim))
         dist.barrier()
 
     with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank())) as ckpt:
