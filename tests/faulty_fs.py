@@ -6,7 +6,8 @@ default all), ``gate_match`` (gate only paths containing this, default ``.pt.``)
 writes of ``*.pt`` files fail), ``fail_errno`` (the error they get: ``ENOSPC`` by default, ``EIO``, ``EACCES``...),
 ``fail_after_bytes`` (bytes of each such file written before the failure, default 0), ``latency_s`` (sleep
 before every write of a ``*.pt`` file, on every rank), ``fail_rm`` (deletions of paths containing this fail: permission denied),
-``fail_ls_ranks`` (ranks whose folder listings fail: an I/O error).
+``fail_ls_ranks`` (ranks whose folder listings fail: an I/O error), ``stale_latest_ranks`` and ``stale_latest``
+(those ranks read ``stale_latest`` from every ``latest`` file, as a client with a stale NFS cache would).
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ class FaultyFileSystem(LocalFileSystem):
 
     def __init__(self, gate: str | None = None, gate_ranks=None, gate_match: str = ".pt.", fail_ranks=(),
                  fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, fail_rm: str | None = None,
-                 fail_ls_ranks=(), **kwargs) -> None:
+                 fail_ls_ranks=(), stale_latest_ranks=(), stale_latest: str | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.stale_latest_ranks = set(stale_latest_ranks)
+        self.stale_latest = stale_latest
         self.fail_ls_ranks = set(fail_ls_ranks)
         self.fail_rm = fail_rm
         self.fail_errno = fail_errno
@@ -88,6 +91,11 @@ class FaultyFileSystem(LocalFileSystem):
         if int(os.environ.get("RANK", "0")) in self.fail_ls_ranks:
             raise OSError(errno.EIO, "Input/output error (injected)", path)
         return super().ls(path, *args, **kwargs)
+
+    def cat_file(self, path, *args, **kwargs):
+        if int(os.environ.get("RANK", "0")) in self.stale_latest_ranks and os.path.basename(str(path)) == "latest":
+            return self.stale_latest.encode()
+        return super().cat_file(path, *args, **kwargs)
 
     def rm_file(self, path):
         self.rm(path)

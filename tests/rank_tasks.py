@@ -432,6 +432,23 @@ def load_fails_on_one_rank(root: str) -> dict:
     return {"load": outcome}
 
 
+def load_sees_a_stale_latest_on_one_rank(root: str) -> dict:
+    """Tags 'a' then 'b' committed; rank 1 then reads 'a' from ``latest`` (a stale NFS cache) and every
+    rank calls load(): returns each rank's outcome, once both ranks are past it."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"skip_instance_cache": True}) as ckpt:
+        ckpt.save(tag="a")
+        ckpt.save(tag="b").result(timeout=120)
+        ckpt.storage.fs.stale_latest_ranks, ckpt.storage.fs.stale_latest = {1}, "a"
+        outcome = _outcome(ckpt.load)
+        dist.barrier()  # both ranks got here: neither waits in a collective the other left
+        ckpt.storage.fs.stale_latest_ranks = set()
+    return {"load": outcome}
+
+
 def retention(root: str, keep_last: int, keep_every: int | None) -> dict:
     """Five saves, one step apart (steps 1..5); which committed tags survive."""
     engine = workload.make_engine(1, "fp32")
