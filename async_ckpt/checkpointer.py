@@ -411,7 +411,9 @@ class AsyncCheckpointer:
         """Finish pending saves, stop the writer thread and give the engine its own checkpoint engine back.
 
         Waits at most ``wait_timeout_s`` for pending saves (then raises :class:`WaitTimeoutError`;
-        the engine is given back all the same).
+        the engine is given back all the same). A save still being written then may fail (closing its
+        storage stops the transfers it started: S3 uploads in flight are cancelled) or may still
+        commit later; either way ``latest`` only ever names a complete checkpoint.
         """
         if self._closed:
             return
