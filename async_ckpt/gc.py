@@ -5,7 +5,10 @@ with one that cannot be read (a corrupt tag, which is never loaded),
 ``.partial`` files (a write cut off mid-file), commit markers, and on S3 multipart uploads that
 were never completed or aborted (their parts are stored, and billed, until aborted). Anything
 younger than the grace period may belong to a save still in progress and is left alone.
-Committed tags are never touched.
+Committed tags are never touched, nor is the folder ``latest`` or ``latest_universal`` names: without
+a manifest that is a checkpoint stock DeepSpeed wrote (say, before the engine was wrapped), not a
+save of ours that died. Any other folder under the root without a manifest counts as a dead save,
+so point gc at a root only async_ckpt (or stock DeepSpeed, named by ``latest``) writes to.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from async_ckpt.catalog import list_tags
-from async_ckpt.layout import MARKER_DIR
+from async_ckpt.catalog import list_tags, read_latest
+from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MARKER_DIR
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
@@ -29,6 +32,7 @@ class GcReport:
     partial_files: list[str] = field(default_factory=list)
     marker_dirs: list[str] = field(default_factory=list)
     aborted_uploads: list[str] = field(default_factory=list)
+    kept_latest: list[str] = field(default_factory=list)  # uncommitted folders kept because a latest file names them
 
 
 def _newest_mtime(storage: Storage, relpath: str) -> float:
@@ -48,9 +52,14 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     """Remove (or with ``dry_run`` only list) garbage older than ``grace_s`` seconds."""
     report = GcReport(dry_run=dry_run)
     cutoff = time.time() - grace_s
+    named = {read_latest(storage, name) for name in (LATEST, LATEST_UNIVERSAL)}
     for info in list_tags(storage):
         if not info.committed:
-            if _newest_mtime(storage, info.tag) < cutoff:
+            if info.tag in named:
+                report.kept_latest.append(info.tag)
+                logger.info("gc %s: %s has no manifest async_ckpt can read, but 'latest' names it: kept (a "
+                            "checkpoint stock DeepSpeed wrote?)", storage.url, info.tag)
+            elif _newest_mtime(storage, info.tag) < cutoff:
                 (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
                 if not dry_run:
                     storage.delete(info.tag, recursive=True)

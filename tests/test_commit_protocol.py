@@ -172,6 +172,18 @@ def test_gc_leaves_a_tag_folder_without_files_alone_during_the_grace_period(tmp_
     assert os.path.isdir(tmp_path / "global_step7")
 
 
+def test_gc_keeps_a_folder_without_manifest_that_latest_names(tmp_path):
+    """A stock DeepSpeed checkpoint in the root (written before the engine was wrapped) has no manifest."""
+    for tag in ("global_step1000", "dead"):
+        os.makedirs(tmp_path / tag)
+        (tmp_path / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "latest").write_text("global_step1000")
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.kept_latest == ["global_step1000"] and report.incomplete_tags == ["dead"]
+    assert os.path.isfile(tmp_path / "global_step1000" / "mp_rank_00_model_states.pt")
+    assert not os.path.exists(tmp_path / "dead")
+
+
 # ---------------------------------------------------------------- configuration types
 
 
