@@ -142,6 +142,12 @@ class Drainer:
         while (job := self._queue.get()) is not None:
             try:
                 self._drain(job)
+            except BaseException as exc:  # noqa: BLE001 - a dead drainer would leave every later drain waiting
+                if job.handle.done():
+                    logger.error("rank %d: after the drain of %s settled, the drainer failed (%s: %s); it goes on",
+                                 self._rank, job.tag, type(exc).__name__, exc, exc_info=exc)
+                else:
+                    self._fail(job, f"the drainer's bookkeeping failed ({type(exc).__name__}: {exc})")
             finally:
                 with self._lock:
                     self._pending.discard(job.tag)

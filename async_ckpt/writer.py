@@ -110,12 +110,32 @@ class BackgroundWriter:
     def _run(self) -> None:
         lower_thread_priority(self._nice)
         while (job := self._queue.get()) is not None:
-            self._execute(job)
+            try:
+                self._execute(job)
+            except BaseException as exc:  # noqa: BLE001 - a dead writer would leave every later save waiting
+                self._failed_outside_write(job, exc)
             if self._on_done is not None and job.handle.done():
                 try:
                     self._on_done(job.handle)
                 except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread
                     logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
+
+    def _failed_outside_write(self, job: SaveJob, exc: BaseException) -> None:
+        """What :meth:`_execute` raised past its own handling (the commit's bookkeeping, the hand-over to
+        the drainer): the save fails if it has not settled, its buffers are freed and the thread goes on."""
+        job.release_buffers()
+        if job.handle.done():
+            logger.error("rank %d: after tag %s settled, the writer thread failed (%s: %s); it goes on", job.rank,
+                         job.tag, type(exc).__name__, exc, exc_info=exc)
+            return
+        error = SaveFailedError(f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} in the "
+                                f"writer thread's bookkeeping after the write: {type(exc).__name__}: {exc}. "
+                                "`latest` is unchanged unless the tag committed; `async-ckpt ls` shows which",
+                                tag=job.tag)
+        error.__cause__ = exc
+        logger.error("%s", error, exc_info=exc)
+        self._on_failure(error)
+        job.handle._fail(error)
 
     def _execute(self, job: SaveJob) -> None:
         written: list[FileEntry] = []

@@ -95,6 +95,29 @@ def stuck_previous_save(root: str, gate: str) -> dict:
     return seen
 
 
+def writer_bookkeeping_fails(root: str) -> dict:
+    """The commit step of tag 'a' raises what the writer does not expect there (a BaseException, as a bug
+    would); then tag 'b' is saved as usual."""
+    from async_ckpt import writer
+
+    engine = _engine()
+    real_commit = writer.commit.commit
+
+    def broken(*args, **kwargs):
+        raise SystemExit("injected fault in the commit's bookkeeping")
+
+    with async_ckpt.wrap(engine, root, wait_timeout_s=60) as ckpt:
+        writer.commit.commit = broken
+        try:
+            a = _outcome(lambda: ckpt.save(tag="a").result(timeout=60))
+        finally:
+            writer.commit.commit = real_commit
+        alive = ckpt._writer.alive
+        workload.train(engine, 1, _tokens(), _rank())
+        b = ckpt.save(tag="b").result(timeout=60).tag
+    return {"a": a, "writer_alive": alive, "b": b, "latest": open(f"{root}/latest").read()}
+
+
 def corrupt_older_manifest(root: str) -> dict:
     """Tags 'a' then 'b'; 'a''s manifest is then not JSON: load() resumes 'b' and names 'a' as corrupt."""
     engine = _engine()

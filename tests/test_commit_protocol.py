@@ -116,6 +116,15 @@ def test_the_stuck_save_still_commits_once_storage_moves_and_its_thread_ends(stu
 # ---------------------------------------------------------------- corrupt manifests
 
 
+def test_a_failure_the_writer_does_not_expect_fails_that_save_and_the_writer_goes_on(ranks, tmp_path):
+    out = ranks.run(commit_tasks.writer_bookkeeping_fails, str(tmp_path / "ckpt"), timeout_s=240)
+    for rank in out:
+        kind, message = rank["a"]
+        assert kind == "SaveFailedError" and "'a'" in message and "injected fault" in message
+        assert rank["writer_alive"] and rank["b"] == "b"
+        assert rank["latest"] == "b"
+
+
 @pytest.fixture(scope="module")
 def corrupt(ranks, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("corrupt") / "ckpt")
