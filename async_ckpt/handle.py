@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future, TimeoutError as FutureTimeoutError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,6 @@ def _settles(future: Future, timeout: float | None) -> bool:
     """Whether ``future`` ends (with a result or a failure) within ``timeout`` seconds."""
     try:
         future.exception(timeout)
-    except FutureTimeoutError:  # the builtin TimeoutError only from Python 3.11 on
+    except TimeoutError:  # concurrent.futures.TimeoutError is this builtin from Python 3.11, the oldest supported
         return False
     return True
