@@ -20,6 +20,7 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 _MAX_TAG_LEN = 200
+_RESERVED = frozenset((LATEST, LATEST_UNIVERSAL, *RECOVERY_SCRIPTS))  # files of the root
 _RANK_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_")
 _MP_RANK_RE = re.compile(r"mp_rank_(\d+)_")
 
@@ -28,13 +29,17 @@ def validate_tag(tag: object) -> str:
     """Return ``tag`` as a string, or raise if it is not a safe single folder name.
 
     A tag becomes one path component locally and one key prefix on object stores, so separators,
-    ``..``, leading dots and whitespace are refused rather than silently escaped.
+    ``..``, leading dots and whitespace are refused rather than silently escaped, and so are the
+    names of the root's own files (``latest``, ``zero_to_fp32.py``...), which a tag folder would shadow.
     """
     text = str(tag) if tag is not None else ""
     if not text:
         raise InvalidTagError("checkpoint tag is empty; pass a name such as 'global_step100' or tag=None")
     if len(text) > _MAX_TAG_LEN:
         raise InvalidTagError(f"checkpoint tag is {len(text)} characters; use at most {_MAX_TAG_LEN}")
+    if text in _RESERVED:
+        raise InvalidTagError(f"checkpoint tag {text!r} is the name of a file DeepSpeed or async_ckpt keeps in the "
+                              "checkpoint root (a tag folder of that name would block it); choose another name")
     if "/" in text or "\\" in text or ".." in text or not _TAG_RE.match(text):
         raise InvalidTagError(
             f"checkpoint tag {text!r} is not a plain folder name; use letters, digits and "

@@ -253,7 +253,8 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
     dist.barrier()  # every rank's wrap probe file is gone before the listing
     before = sorted(os.listdir(root))
     for name, tag in {"empty_tag": "", "slash_tag": "a/b", "dotdot_tag": "..", "parent_tag": "../escape",
-                      "backslash_tag": "a\\b", "space_tag": " x"}.items():
+                      "backslash_tag": "a\\b", "space_tag": " x", "latest_tag": "latest",
+                      "script_tag": "zero_to_fp32.py"}.items():
         out[name] = _outcome(lambda t=tag: ckpt.save(tag=t))
     out["written_after_bad_tags"] = sorted(os.listdir(root)) != before
     dist.barrier()  # no rank starts the good save below before every rank has listed

@@ -83,7 +83,8 @@ def test_wrap_writes_in_the_background_and_does_not_warn_of_memory_on_a_disk(out
     assert [(seen["wrap_warnings_disk"], seen["synchronous_disk"]) for seen in outcomes] == [([], False)] * 2
 
 
-@pytest.mark.parametrize("case", ["empty_tag", "slash_tag", "dotdot_tag", "parent_tag", "backslash_tag", "space_tag"])
+@pytest.mark.parametrize("case", ["empty_tag", "slash_tag", "dotdot_tag", "parent_tag", "backslash_tag", "space_tag",
+                                  "latest_tag", "script_tag"])
 def test_invalid_tag_is_refused_on_every_rank(outcomes, case):
     for rank in outcomes:
         assert rank[case][0] == "InvalidTagError"
