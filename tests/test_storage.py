@@ -16,6 +16,7 @@ from async_ckpt.errors import StorageError
 from async_ckpt.serialization import write_torch_file
 from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage import local as local_storage
+from async_ckpt.storage import s3 as s3_storage
 from async_ckpt.storage.local import DirectWriter, _open_direct
 from async_ckpt.storage.s3 import S3Storage
 from async_ckpt.storage.retry import RetryPolicy
@@ -173,6 +174,31 @@ def test_s3_upload_threads_run_while_uploading_and_stop_on_close(s3, bucket):
 
 def _upload_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("async_ckpt-s3-lane")}
+
+
+def test_s3_parts_double_in_size_after_every_band_so_large_files_fit_in_s3s_part_limit(s3, bucket, monkeypatch):
+    """PARTS_PER_SIZE is 1000 (16 GiB files at the default part size before the first doubling);
+    two here, so that the doubling shows in a 30 MiB file."""
+    monkeypatch.setattr(s3_storage, "PARTS_PER_SIZE", 2)
+    mib = 1024 * 1024
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * mib, max_concurrency=2)
+    payload = os.urandom(30 * mib + 3)
+    with storage.open_write("tag/big.bin") as stream:
+        for start in range(0, len(payload), 3 * mib + 1):  # ragged writes, across part boundaries
+            stream.write(payload[start:start + 3 * mib + 1])
+    client = s3.client()
+    assert client.get_object(Bucket=bucket, Key="run/tag/big.bin")["Body"].read() == payload
+    sizes = [client.head_object(Bucket=bucket, Key="run/tag/big.bin", PartNumber=n)["ContentLength"] for n in range(1, 6)]
+    assert sizes == [5 * mib, 5 * mib, 10 * mib, 10 * mib, 3]
+
+
+def test_s3_file_past_the_part_limit_fails_naming_the_fix_and_leaves_no_upload(s3, bucket, monkeypatch):
+    monkeypatch.setattr(s3_storage, "MAX_PARTS", 2)
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024)
+    with pytest.raises(StorageError, match="more than S3's 2 parts.*raise part_size"):
+        with storage.open_write("tag/blob.bin") as stream:
+            stream.write(os.urandom(16 * 1024 * 1024))
+    assert s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
 def test_failed_s3_write_aborts_its_multipart_upload(s3, bucket):

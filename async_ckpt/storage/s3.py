@@ -2,7 +2,8 @@
 
 s3fs's ``open('wb')`` uploads one part at a time. Here each file streams into parts of
 ``part_size`` bytes that are uploaded concurrently, at most ``max_concurrency`` in flight: the
-uploader holds at most ``(max_concurrency + 1) * part_size`` bytes, and reports its peak. The parts
+uploader holds at most ``(max_concurrency + 1) * part_size`` bytes, and reports its peak (for a
+file past ``PARTS_PER_SIZE`` parts, the parts and that bound double: see ``MAX_PARTS``). The parts
 are spread over ``upload_threads`` event loops, each with its own client (see :class:`UploadLanes`). Every
 request is retried on transient errors with backoff and jitter; if a part still fails the
 multipart upload is aborted, so no orphaned parts stay behind. An object becomes visible only
@@ -39,6 +40,13 @@ T = TypeVar("T")
 
 #: Files up to this size are buffered in memory that grows with them; larger ones in full parts.
 SMALL_FILE = 1024 * 1024
+
+#: S3 takes at most 10,000 parts per object, each at most 5 GiB. Parts double in size after every
+#: PARTS_PER_SIZE of them, so 10,000 parts reach S3's 5 TiB object limit from a 5 MiB part size,
+#: while files up to PARTS_PER_SIZE * part_size (16 GiB by default) keep the configured size.
+MAX_PARTS = 10_000
+PARTS_PER_SIZE = 1000
+MAX_PART_SIZE = 5 * 1024 * MiB
 
 #: Every part carries its CRC-32, which the store checks on arrival and combines into the object's
 #: checksum at completion (boto3's TransferManager does the same; the store finishes faster with it).
@@ -438,16 +446,31 @@ class MultipartUpload:
         while len(self._inflight) >= storage.max_concurrency:
             self._collect()
         number, self._next_part = self._next_part, self._next_part + 1
+        if number > MAX_PARTS:
+            raise StorageError(f"s3://{storage.bucket}/{self._key} needs more than S3's {MAX_PARTS} parts "
+                               f"(parts of up to {self._part_size} bytes): raise part_size")
+        if number % PARTS_PER_SIZE == 0 and self._part_size < MAX_PART_SIZE:
+            self._grow_parts()
         part = self._take_part()
         future = storage._upload_lanes().submit(functools.partial(self._upload_part, number, part))
         self._inflight.append((future, part))
         storage.stats.note_buffered((len(self._inflight) + 1) * self._part_size)
 
+    def _grow_parts(self) -> None:
+        """Double the size of the parts from the next one on (see PARTS_PER_SIZE); the smaller spares go."""
+        self._part_size = min(2 * self._part_size, MAX_PART_SIZE)
+        for spare in self._spare:
+            spare.close()
+        self._spare.clear()
+
     def _collect(self) -> None:
-        """Wait for the oldest part in flight; its buffer is free for the next part."""
+        """Wait for the oldest part in flight; its buffer is free for the next part, if of the current size."""
         future, part = self._inflight.popleft()
         self._parts.append(self._wait(future))
-        self._spare.append(part)
+        if part.getbuffer().nbytes == self._part_size:
+            self._spare.append(part)
+        else:
+            part.close()
 
     async def _create(self) -> str:
         s3 = await self._storage._client()
