@@ -61,7 +61,8 @@ def read_manifest(storage: Storage, tag: str) -> Manifest | None:
 
 
 def list_tags(storage: Storage) -> list[TagInfo]:
-    """Every tag folder under the root, committed ones ordered by step then commit time, last newest."""
+    """Every tag folder under the root; committed ones last, ordered by ``Manifest.recency`` (save time,
+    then step), newest last."""
     infos = []
     for name in storage.list_dir(""):
         if name.startswith(".") or name == MARKER_DIR or not storage.is_dir(name):
@@ -72,5 +73,4 @@ def list_tags(storage: Storage) -> list[TagInfo]:
             infos.append(TagInfo(name, read_manifest(storage, name)))
         except CorruptManifestError as exc:
             infos.append(TagInfo(name, None, error=str(exc)))
-    return sorted(infos, key=lambda i: (i.committed, i.manifest.step if i.manifest else -1,
-                                        i.manifest.created_unix if i.manifest else 0.0, i.tag))
+    return sorted(infos, key=lambda i: (i.committed, i.manifest.recency if i.manifest else (0.0, -1), i.tag))

@@ -237,7 +237,7 @@ def _after_commit(job: SaveJob, manifest: Manifest) -> list[str]:
 
 def _later_save_named_by_latest(job: SaveJob, manifest: Manifest) -> str | None:
     """For a drain (a save committed on the local tier earlier, copied to the URL now): the tag ``latest``
-    names at the URL if that is a later save, by step and save time as :func:`~async_ckpt.tiers.choose_tag`
+    names at the URL if that is a later save, by save time and step as :func:`~async_ckpt.tiers.choose_tag`
     orders them; else ``None``. A save goes straight to the URL when the local tier is full, and may
     commit there while an older tag's drain still waits. A fresh save always moves ``latest``."""
     if not job.save_latest or "created_unix" not in job.metadata:

@@ -32,8 +32,9 @@ class CheckpointConfig:
     Attributes:
         url: destination root: a local/NFS path or any fsspec URL (``s3://bucket/run1``).
         storage_options: passed unchanged to fsspec (endpoint, region, credentials...).
-        keep_last: keep only this many committed tags (older ones are deleted after a newer
-            commit succeeded; never the one ``latest`` names). ``None`` keeps everything.
+        keep_last: keep only this many committed tags, the most recently saved (older ones are
+            deleted after a newer commit succeeded; never the one ``latest`` names; after a
+            rollback, the abandoned later steps count as older). ``None`` keeps everything.
         on_error: ``"warn"`` logs a failed background save and keeps training; ``"raise"``
             additionally raises it from the next ``save()``/``wait()``.
         overlap_copy: the large optimizer partitions are copied to host memory while the next

@@ -53,9 +53,11 @@ class Manifest:
     format: str = FORMAT
 
     @property
-    def recency(self) -> tuple[int, float]:
-        """How saves are ordered, newest last: by step, then by save time (a step saved again is newer)."""
-        return self.step, self.created_unix
+    def recency(self) -> tuple[float, int]:
+        """How saves are ordered, newest last: by save time, then by step. Not by step first: after a
+        rollback (training resumed from an older tag), the live run's saves have lower steps than the
+        abandoned ones, yet they are the newer saves, the ones to resume and to keep."""
+        return self.created_unix, self.step
 
     @property
     def total_bytes(self) -> int:

@@ -62,7 +62,7 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
     moved_latest = [m for m in committed if m.sets_latest]
     newest = moved_latest[-1] if moved_latest else committed[-1] if committed else None
     named = next((m for m in committed if m.tag == latest), None)
-    if named is not None and (newest is None or newest.tag == named.tag or newest.step <= named.step):
+    if named is not None and (newest is None or newest.tag == named.tag or newest.recency <= named.recency):
         return named
     if newest is None:
         kind = "universal checkpoint" if universal else "checkpoint"
@@ -86,10 +86,11 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
 
 
 def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
-    """The newest committed tag older than ``manifest`` (for falling back after a failed check)."""
+    """The newest committed tag saved before ``manifest`` at no higher step (for falling back after a
+    failed check): after a rollback, the live run's earlier saves, never the abandoned later steps."""
     older = [t.manifest for t in list_tags(storage) if t.committed and t.tag != manifest.tag
              and t.manifest.universal == manifest.universal and not t.manifest.consolidated
-             and t.manifest.recency < manifest.recency]
+             and t.manifest.recency < manifest.recency and t.manifest.step <= manifest.step]
     return older[-1] if older else None
 
 

@@ -107,6 +107,11 @@ def committed_view(storage: Storage) -> dict[str, tuple[int, float, bool, str]]:
             if info.committed and not info.manifest.universal and not info.manifest.consolidated}
 
 
+def _recency(view: tuple[int, float, bool, str]) -> tuple[float, int]:
+    """A committed view's order among saves, as :attr:`~async_ckpt.manifest.Manifest.recency`."""
+    return view[1], view[0]
+
+
 def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view: dict[str, Any], *,
                older_than: str | None = None) -> tuple[str | None, str]:
     """The tag every rank can read from some tier: ``tag`` if given, else the newest such tag.
@@ -114,15 +119,16 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
     ``local_views[r]`` is what rank r's node folder holds committed; a tag committed at the URL is
     readable by every rank. Tags saved with ``save_latest=False`` are taken only when named, as
     without tiers. ``older_than`` (a tag that could not be read, for ``load(fallback=True)``): instead,
-    the newest such tag committed before it, whether or not it moved ``latest``, as
+    the newest such tag committed before it at no higher step, whether or not it moved ``latest``, as
     :func:`~async_ckpt.resume.older_committed` chooses without tiers. Returns ``(tag, None-or-why
     not)``; the tag is ``None`` when there is none.
     """
     shared_local = set.intersection(*(set(v) for v in local_views)) if local_views else set()
     readable = {t: durable_view.get(t) or local_views[0][t] for t in set(durable_view) | shared_local}
     if older_than is not None:
-        limit = readable[older_than][:2]  # (step, created)
-        older = sorted((v[0], v[1], t) for t, v in readable.items() if v[:2] < limit)
+        limit = readable[older_than]
+        older = sorted((*_recency(v), t) for t, v in readable.items()
+                       if _recency(v) < _recency(limit) and v[0] <= limit[0])
         return (older[-1][2], "") if older else (None, f"no tag older than {older_than!r} can be read by every rank")
     if tag is not None:
         if tag in readable:
@@ -131,7 +137,7 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
         return None, (f"tag {tag!r} is not committed at the durable URL, and only rank(s) {holders} hold it "
                       "committed in their node's local tier" if holders else
                       f"tag {tag!r} is committed in no tier")
-    candidates = sorted(((v[0], v[1], t) for t, v in readable.items() if v[2]), reverse=True)
+    candidates = sorted(((*_recency(v), t) for t, v in readable.items() if v[2]), reverse=True)
     if not candidates:
         return None, "no tag is committed at the durable URL or in every node's local tier"
     return candidates[0][2], ""

@@ -6,8 +6,9 @@ default all), ``gate_match`` (gate only paths containing this, default ``.pt.``)
 writes of ``*.pt`` files fail), ``fail_errno`` (the error they get: ``ENOSPC`` by default, ``EIO``, ``EACCES``...),
 ``fail_after_bytes`` (bytes of each such file written before the failure, default 0), ``latency_s`` (sleep
 before every write of a ``*.pt`` file, on every rank), ``fail_rm`` (deletions of paths containing this fail: permission denied),
-``fail_ls_ranks`` (ranks whose folder listings fail: an I/O error), ``stale_latest_ranks`` and ``stale_latest``
-(those ranks read ``stale_latest`` from every ``latest`` file, as a client with a stale NFS cache would).
+``fail_ls_ranks`` (ranks whose folder listings fail: an I/O error), ``stale_ranks``, ``stale_latest`` and
+``stale_hidden`` (those ranks read ``stale_latest`` from every ``latest`` file and do not see ``stale_hidden`` in
+folder listings, as a client whose NFS cache predates that tag's commit would).
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ class FaultyFileSystem(LocalFileSystem):
 
     def __init__(self, gate: str | None = None, gate_ranks=None, gate_match: str = ".pt.", fail_ranks=(),
                  fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, fail_rm: str | None = None,
-                 fail_ls_ranks=(), stale_latest_ranks=(), stale_latest: str | None = None, **kwargs) -> None:
+                 fail_ls_ranks=(), stale_ranks=(), stale_latest: str | None = None, stale_hidden: str | None = None,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
-        self.stale_latest_ranks = set(stale_latest_ranks)
+        self.stale_ranks = set(stale_ranks)
         self.stale_latest = stale_latest
+        self.stale_hidden = stale_hidden
         self.fail_ls_ranks = set(fail_ls_ranks)
         self.fail_rm = fail_rm
         self.fail_errno = fail_errno
@@ -90,10 +93,13 @@ class FaultyFileSystem(LocalFileSystem):
     def ls(self, path, *args, **kwargs):
         if int(os.environ.get("RANK", "0")) in self.fail_ls_ranks:
             raise OSError(errno.EIO, "Input/output error (injected)", path)
-        return super().ls(path, *args, **kwargs)
+        listing = super().ls(path, *args, **kwargs)
+        if int(os.environ.get("RANK", "0")) in self.stale_ranks:
+            listing = [entry for entry in listing if _basename(entry) != self.stale_hidden]
+        return listing
 
     def cat_file(self, path, *args, **kwargs):
-        if int(os.environ.get("RANK", "0")) in self.stale_latest_ranks and os.path.basename(str(path)) == "latest":
+        if int(os.environ.get("RANK", "0")) in self.stale_ranks and os.path.basename(str(path)) == "latest":
             return self.stale_latest.encode()
         return super().cat_file(path, *args, **kwargs)
 
@@ -103,6 +109,11 @@ class FaultyFileSystem(LocalFileSystem):
     def open(self, path, mode="rb", **kwargs):
         stream = super().open(path, mode, **kwargs)
         return _FaultyWriter(stream, self, path) if "w" in mode else stream
+
+
+def _basename(entry) -> str:
+    """The last component of a listing's entry (a dict with ``detail=True``, else a path)."""
+    return os.path.basename(str(entry["name"] if isinstance(entry, dict) else entry))
 
 
 def register() -> None:

@@ -433,9 +433,9 @@ def load_fails_on_one_rank(root: str) -> dict:
     return {"load": outcome}
 
 
-def load_sees_a_stale_latest_on_one_rank(root: str) -> dict:
-    """Tags 'a' then 'b' committed; rank 1 then reads 'a' from ``latest`` (a stale NFS cache) and every
-    rank calls load(): returns each rank's outcome, once both ranks are past it."""
+def load_sees_a_stale_root_on_one_rank(root: str) -> dict:
+    """Tags 'a' then 'b' committed; rank 1 then sees neither 'b' nor the 'latest' naming it (a stale NFS
+    cache) and every rank calls load(): returns each rank's outcome, once both ranks are past it."""
     from faulty_fs import register
 
     register()
@@ -443,10 +443,10 @@ def load_sees_a_stale_latest_on_one_rank(root: str) -> dict:
     with async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"skip_instance_cache": True}) as ckpt:
         ckpt.save(tag="a")
         ckpt.save(tag="b").result(timeout=120)
-        ckpt.storage.fs.stale_latest_ranks, ckpt.storage.fs.stale_latest = {1}, "a"
+        ckpt.storage.fs.stale_ranks, ckpt.storage.fs.stale_latest, ckpt.storage.fs.stale_hidden = {1}, "a", "b"
         outcome = _outcome(ckpt.load)
         dist.barrier()  # both ranks got here: neither waits in a collective the other left
-        ckpt.storage.fs.stale_latest_ranks = set()
+        ckpt.storage.fs.stale_ranks = set()
     return {"load": outcome}
 
 

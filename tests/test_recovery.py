@@ -72,7 +72,7 @@ def test_a_load_that_fails_on_one_rank_raises_on_every_rank_instead_of_leaving_t
 
 
 def test_ranks_that_find_different_latest_tags_are_refused_rather_than_each_loading_its_own(ranks, tmp_path):
-    out = ranks.run(rank_tasks.load_sees_a_stale_latest_on_one_rank, str(tmp_path / "ckpt"), timeout_s=240)
+    out = ranks.run(rank_tasks.load_sees_a_stale_root_on_one_rank, str(tmp_path / "ckpt"), timeout_s=240)
     for rank in out:
         kind, message = rank["load"]
         assert kind == "StorageError" and "different tags" in message and "['a', 'b']" in message
