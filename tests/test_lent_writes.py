@@ -562,6 +562,31 @@ def test_a_write_ahead_writes_each_piece_once_its_own_bytes_are_there(direct_roo
     assert path.read_bytes() == payload
 
 
+def test_a_buffer_written_ahead_in_place_is_written_again_where_a_wrong_write_ahead_overlaps_it(direct_root):
+    """Buffer A is written ahead at its offset, buffer B ahead at a wrong offset inside A's range, and B's
+    bytes land last: A's bytes are still what the file holds there."""
+    first, second = os.urandom(4 * MiB), os.urandom(4 * MiB)
+    memory = mmap.mmap(-1, 8 * MiB)
+    memory[:4 * MiB], memory[4 * MiB:] = first, second
+    copied = threading.Event()
+    path = direct_root / "overlap.bin"
+    fd = _open_direct(str(path))
+    writer = DirectWriter(fd, buffer_bytes=1 * MiB)
+    try:
+        with memoryview(memory) as view:
+            writer.write_ahead(view[:4 * MiB], 0)
+            writer.write_ahead(view[4 * MiB:], 2 * MiB, ready=lambda end: copied.wait(60))  # lands after A's
+            threading.Timer(0.5, copied.set).start()
+            writer.write_borrowed(view[:4 * MiB])
+            writer.write_borrowed(view[4 * MiB:])
+            writer.finish()
+    finally:
+        copied.set()
+        writer.release()
+        os.close(fd)
+    assert path.read_bytes() == first + second
+
+
 def test_writes_ahead_waiting_for_their_copy_do_not_hold_up_the_stream(direct_root):
     """Two chunks written ahead wait for a copy that has not run: the stream's own writes still go out."""
     payload = os.urandom(2 * 32 * MiB + 5000)  # more chunks than the writer has I/O threads

@@ -138,7 +138,7 @@ class DirectWriter:
         waiting for its bytes.
 
         If :meth:`write_borrowed` later hands over the same memory at the same offset, it is already
-        written or on its way. If not, the bytes written ahead are overwritten: every later write
+        written or on its way (unless another write ahead overlaps it: then it is written again). If not, the bytes written ahead are overwritten: every later write
         first waits for the writes ahead it overlaps, and the file's every byte is written again by
         the stream (anything past its end is cut off by :meth:`finish`).
         """
@@ -170,9 +170,9 @@ class DirectWriter:
             self._flush_buffer()
         expected = (self._start, body, _address(middle))
         ahead = next((a for a in self._ahead if a[:3] == expected), None)
-        if ahead is not None:
+        if ahead is not None and not self._overlapped(ahead):
             self._ahead.remove(ahead)  # already written where it belongs
-        else:
+        else:  # written anew, once the writes ahead it overlaps are done (a wrong one may land after the right one)
             aligned = _address(middle) % self._align == 0
             if not aligned and self._scratch is None:  # aligned memory for the I/O threads' copies
                 self._scratch = queue.Queue()
@@ -189,6 +189,11 @@ class DirectWriter:
         if head + body < total:
             self.write(view[head + body:])
         return total
+
+    def _overlapped(self, ahead: tuple[int, int, int, list[Future[None]]]) -> bool:
+        """Whether another write ahead overlaps ``ahead``'s range of the file."""
+        return any(other is not ahead and other[0] < ahead[0] + ahead[1] and ahead[0] < other[0] + other[1]
+                   for other in self._ahead)
 
     def _split(self, view: memoryview, offset: int) -> tuple[int, memoryview]:
         """``view`` written at file ``offset``: the length of its head before the first aligned offset, and
