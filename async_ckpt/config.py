@@ -70,7 +70,7 @@ class CheckpointConfig:
             every rank's files, the others up to twice that) when ``commit_timeout_s`` is raised.
         part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum). A file
             past 1000 parts (16 GiB at the default) doubles it after every 1000 parts, and with it
-            the upload's memory, so that S3's 10,000 parts reach its 5 TiB object limit.
+            the upload's memory, so that S3's 10,000 parts reach its 5 TiB object limit (from 16 MiB).
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
         upload_threads: threads (each an event loop with its own client) that share the parts of
             object-store uploads. Signing and checksumming a part costs CPU, so one thread caps

@@ -93,7 +93,7 @@ class Drainer:
         self._pending: set[str] = set()
         self._failed: list[DrainJob] = []
         #: ``(step, created)`` of the newest tag this drainer committed at the URL.
-        self._newest_drained: tuple[int, float] | None = None
+        self._newest_drained: tuple[float, int] | None = None  # Manifest.recency
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"async_ckpt-drainer-rank{rank}", daemon=True)
         self._thread.start()
@@ -143,11 +143,7 @@ class Drainer:
             try:
                 self._drain(job)
             except BaseException as exc:  # noqa: BLE001 - a dead drainer would leave every later drain waiting
-                if job.handle.done():
-                    logger.error("rank %d: after the drain of %s settled, the drainer failed (%s: %s); it goes on",
-                                 self._rank, job.tag, type(exc).__name__, exc, exc_info=exc)
-                else:
-                    self._fail(job, f"the drainer's bookkeeping failed ({type(exc).__name__}: {exc})")
+                self._failed_outside_drain(job, exc)
             finally:
                 with self._lock:
                     self._pending.discard(job.tag)
@@ -156,6 +152,23 @@ class Drainer:
                     self._on_done(job.handle)
                 except BaseException:  # noqa: BLE001 - a callback must never stop the drainer
                     logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
+
+    def _failed_outside_drain(self, job: DrainJob, exc: BaseException) -> None:
+        """What :meth:`_drain` raised past its own handling: the drain fails if it has not settled (not
+        queued for a retry: whether it committed at the URL is unknown) and the thread goes on."""
+        logger.error("rank %d: the drainer failed draining %s (%s: %s); it goes on", self._rank, job.tag,
+                     type(exc).__name__, exc, exc_info=exc)
+        if job.handle.done():
+            return
+        failure = SaveFailedError(f"tag {job.tag!r} is committed on the local tier but its drain to "
+                                  f"{self._target.durable.url} failed in the drainer's bookkeeping "
+                                  f"({type(exc).__name__}: {exc}); `async-ckpt ls` shows whether it committed there",
+                                  tag=job.tag)
+        failure.__cause__ = exc
+        try:
+            self._on_failure(failure, job)
+        finally:
+            job.handle._fail(failure)
 
     def _drain(self, job: DrainJob) -> None:
         target, metrics = self._target, job.handle.metrics

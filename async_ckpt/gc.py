@@ -17,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from async_ckpt.catalog import list_tags, read_latest
+from async_ckpt.catalog import inspect_latest, list_tags
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MARKER_DIR
 from async_ckpt.storage.base import Storage
 
@@ -32,7 +32,7 @@ class GcReport:
     partial_files: list[str] = field(default_factory=list)
     marker_dirs: list[str] = field(default_factory=list)
     aborted_uploads: list[str] = field(default_factory=list)
-    kept_latest: list[str] = field(default_factory=list)  # uncommitted folders kept because a latest file names them
+    kept_latest: list[str] = field(default_factory=list)  # uncommitted folders kept: a latest file names them (or may)
 
 
 def _newest_mtime(storage: Storage, relpath: str) -> float:
@@ -52,13 +52,21 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     """Remove (or with ``dry_run`` only list) garbage older than ``grace_s`` seconds."""
     report = GcReport(dry_run=dry_run)
     cutoff = time.time() - grace_s
-    named = {read_latest(storage, name) for name in (LATEST, LATEST_UNIVERSAL)}
+    named, unreadable = set(), []
+    for name in (LATEST, LATEST_UNIVERSAL):
+        tag, why = inspect_latest(storage, name)
+        named.add(tag)
+        if why:
+            unreadable.append(f"{name!r} cannot be read ({why})")
+    if unreadable:
+        logger.warning("gc %s: %s; folders without a readable manifest are kept, as it may name one of them",
+                       storage.url, "; ".join(unreadable))
     for info in list_tags(storage):
         if not info.committed:
-            if info.tag in named:
+            if info.tag in named or unreadable:
                 report.kept_latest.append(info.tag)
-                logger.info("gc %s: %s has no manifest async_ckpt can read, but 'latest' names it: kept (a "
-                            "checkpoint stock DeepSpeed wrote?)", storage.url, info.tag)
+                logger.info("gc %s: %s has no manifest async_ckpt can read, but 'latest' names it (or may): kept "
+                            "(a checkpoint stock DeepSpeed wrote?)", storage.url, info.tag)
             elif _newest_mtime(storage, info.tag) < cutoff:
                 (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
                 if not dry_run:

@@ -173,7 +173,7 @@ def undrained(local: Storage, durable: Storage, in_flight: set[str]) -> list[Man
     and not being drained now: what a drain that was cut short (a crash, a failure) left behind.
     Oldest first, so that draining them in order moves the durable ``latest`` forward only."""
     durable_tags = committed_view(durable)
-    newest = max(((step, created) for step, created, _, _ in durable_tags.values()), default=None)
+    newest = max((_recency(view) for view in durable_tags.values()), default=None)
     pending = []
     for info in list_tags(local):
         manifest = info.manifest

@@ -193,6 +193,15 @@ def test_gc_keeps_a_folder_without_manifest_that_latest_names(tmp_path):
     assert not os.path.exists(tmp_path / "dead")
 
 
+def test_gc_keeps_folders_without_manifest_while_latest_cannot_be_read(tmp_path):
+    os.makedirs(tmp_path / "dead")
+    (tmp_path / "dead" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "latest").write_bytes(b"\xff\xfe not text")
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.kept_latest == ["dead"] and report.incomplete_tags == []
+    assert os.path.isfile(tmp_path / "dead" / "mp_rank_00_model_states.pt")
+
+
 # ---------------------------------------------------------------- configuration types
 
 

@@ -562,9 +562,10 @@ def test_a_write_ahead_writes_each_piece_once_its_own_bytes_are_there(direct_roo
     assert path.read_bytes() == payload
 
 
-def test_a_buffer_written_ahead_in_place_is_written_again_where_a_wrong_write_ahead_overlaps_it(direct_root):
-    """Buffer A is written ahead at its offset, buffer B ahead at a wrong offset inside A's range, and B's
-    bytes land last: A's bytes are still what the file holds there."""
+@pytest.mark.parametrize("wrong", ["second", "first"])
+def test_a_buffer_written_ahead_in_place_is_written_again_where_a_wrong_write_ahead_overlaps_it(direct_root, wrong):
+    """Two 4 MiB buffers, one written ahead at its offset and the other ahead at a wrong one (2 MiB) that
+    overlaps it, whose bytes land last: the file still holds each buffer where it belongs."""
     first, second = os.urandom(4 * MiB), os.urandom(4 * MiB)
     memory = mmap.mmap(-1, 8 * MiB)
     memory[:4 * MiB], memory[4 * MiB:] = first, second
@@ -574,8 +575,9 @@ def test_a_buffer_written_ahead_in_place_is_written_again_where_a_wrong_write_ah
     writer = DirectWriter(fd, buffer_bytes=1 * MiB)
     try:
         with memoryview(memory) as view:
-            writer.write_ahead(view[:4 * MiB], 0)
-            writer.write_ahead(view[4 * MiB:], 2 * MiB, ready=lambda end: copied.wait(60))  # lands after A's
+            buffers = {"first": (view[:4 * MiB], 0), "second": (view[4 * MiB:], 4 * MiB)}
+            writer.write_ahead(*buffers["first" if wrong == "second" else "second"])
+            writer.write_ahead(buffers[wrong][0], 2 * MiB, ready=lambda end: copied.wait(60))  # lands last
             threading.Timer(0.5, copied.set).start()
             writer.write_borrowed(view[:4 * MiB])
             writer.write_borrowed(view[4 * MiB:])

@@ -109,6 +109,7 @@ class DirectWriter:
         self._filled = 0
         self._writes: list[Future[None]] = []
         self._ahead: list[tuple[int, int, int, list[Future[None]]]] = []  # offset, length, address, writes
+        self._overwritten: list[tuple[int, int]] = []  # offset, length of writes ahead the stream wrote over
         self._scratch: queue.Queue[mmap.mmap] | None = None
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="async_ckpt-direct-io")
         self._ahead_io: ThreadPoolExecutor | None = None  # writes ahead that wait for their buffer's copy
@@ -192,9 +193,10 @@ class DirectWriter:
         return total
 
     def _overlapped(self, ahead: tuple[int, int, int, list[Future[None]]]) -> bool:
-        """Whether another write ahead overlaps ``ahead``'s range of the file."""
-        return any(other is not ahead and other[0] < ahead[0] + ahead[1] and ahead[0] < other[0] + other[1]
-                   for other in self._ahead)
+        """Whether another write ahead, pending or already written over, overlaps ``ahead``'s range of the
+        file: its bytes may have landed after ``ahead``'s."""
+        others = [other[:2] for other in self._ahead if other is not ahead] + self._overwritten
+        return any(start < ahead[0] + ahead[1] and ahead[0] < start + length for start, length in others)
 
     def _split(self, view: memoryview, offset: int) -> tuple[int, memoryview]:
         """``view`` written at file ``offset``: the length of its head before the first aligned offset, and
@@ -213,6 +215,7 @@ class DirectWriter:
             done.result()  # raises what the I/O thread met
         for ahead in [a for a in self._ahead if a[0] < offset + length and offset < a[0] + a[1]]:
             self._ahead.remove(ahead)
+            self._overwritten.append(ahead[:2])
             for write in ahead[3]:
                 write.result()
         future = self._io.submit(fn, *args)

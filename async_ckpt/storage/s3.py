@@ -42,8 +42,9 @@ T = TypeVar("T")
 SMALL_FILE = 1024 * 1024
 
 #: S3 takes at most 10,000 parts per object, each at most 5 GiB. Parts double in size after every
-#: PARTS_PER_SIZE of them, so 10,000 parts reach S3's 5 TiB object limit from a 5 MiB part size,
-#: while files up to PARTS_PER_SIZE * part_size (16 GiB by default) keep the configured size.
+#: PARTS_PER_SIZE of them, so 10,000 parts reach S3's 5 TiB object limit from the default 16 MiB
+#: (4.9 TiB from the 5 MiB minimum), while files up to PARTS_PER_SIZE * part_size (16 GiB by
+#: default) keep the configured size.
 MAX_PARTS = 10_000
 PARTS_PER_SIZE = 1000
 MAX_PART_SIZE = 5 * 1024 * MiB
@@ -449,7 +450,7 @@ class MultipartUpload:
         if number > MAX_PARTS:
             raise StorageError(f"s3://{storage.bucket}/{self._key} needs more than S3's {MAX_PARTS} parts "
                                f"(parts of up to {self._part_size} bytes): raise part_size")
-        if number % PARTS_PER_SIZE == 0 and self._part_size < MAX_PART_SIZE:
+        if number % PARTS_PER_SIZE == 0 and number < MAX_PARTS and self._part_size < MAX_PART_SIZE:
             self._grow_parts()
         part = self._take_part()
         future = storage._upload_lanes().submit(functools.partial(self._upload_part, number, part))
