@@ -97,7 +97,8 @@ def _gc(args: argparse.Namespace) -> int:
                       f"{verb} {len(report.marker_dirs)} leftover commit-marker folder(s)",
                       f"{'would abort' if args.dry_run else 'aborted'} {len(report.aborted_uploads)} multipart "
                       f"upload(s): {report.aborted_uploads}"]
-                     + [f"kept {tag}: not committed, but latest names it (or cannot be read)" for tag in report.kept_latest])
+                     + [f"kept {tag}: not committed, but latest names it (or cannot be read)"
+                        for tag in report.kept_latest])
     _emit(args, asdict(report), text)
     return EXIT_OK
 

@@ -92,8 +92,8 @@ class Drainer:
         self._queue: queue.Queue[DrainJob | None] = queue.Queue()
         self._pending: set[str] = set()
         self._failed: list[DrainJob] = []
-        #: ``(step, created)`` of the newest tag this drainer committed at the URL.
-        self._newest_drained: tuple[float, int] | None = None  # Manifest.recency
+        #: ``Manifest.recency`` of the newest tag this drainer committed at the URL.
+        self._newest_drained: tuple[float, int] | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"async_ckpt-drainer-rank{rank}", daemon=True)
         self._thread.start()

@@ -7,8 +7,9 @@ were never completed or aborted (their parts are stored, and billed, until abort
 younger than the grace period may belong to a save still in progress and is left alone.
 Committed tags are never touched, nor is the folder ``latest`` or ``latest_universal`` names: without
 a manifest that is a checkpoint stock DeepSpeed wrote (say, before the engine was wrapped), not a
-save of ours that died. Any other folder under the root without a manifest counts as a dead save,
-so point gc at a root only async_ckpt (or stock DeepSpeed, named by ``latest``) writes to.
+save of ours that died; while either file cannot be read, no folder without a manifest is removed.
+Any other folder under the root without a manifest counts as a dead save, so point gc at a root
+only async_ckpt (or stock DeepSpeed, named by ``latest``) writes to.
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ class DirectWriter:
         If :meth:`write_borrowed` later hands over the same memory at the same offset, it is already
         written or on its way (unless another write ahead overlaps it: then it is written again). If
         not, the bytes written ahead are overwritten: every later write first waits for the writes
-        ahead it overlaps, and the file's every byte is written again by
-        the stream (anything past its end is cut off by :meth:`finish`).
+        ahead it overlaps, and the file's every byte is written again by the stream (anything past
+        its end is cut off by :meth:`finish`).
         """
         head, middle = self._split(memoryview(data).cast("B"), offset)  # type: ignore[arg-type]
         body = middle.nbytes
