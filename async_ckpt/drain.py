@@ -167,8 +167,9 @@ class Drainer:
         failure.__cause__ = exc
         try:
             self._on_failure(failure, job)
-        finally:
-            job.handle._fail(failure)
+        except BaseException:  # noqa: BLE001 - the handle still settles and the thread goes on
+            logger.exception("could not record the failed drain of %s", job.tag)
+        job.handle._fail(failure)
 
     def _drain(self, job: DrainJob) -> None:
         target, metrics = self._target, job.handle.metrics

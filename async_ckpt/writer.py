@@ -134,7 +134,10 @@ class BackgroundWriter:
                                 tag=job.tag)
         error.__cause__ = exc
         logger.error("%s", error, exc_info=exc)
-        self._on_failure(error)
+        try:
+            self._on_failure(error)
+        except BaseException:  # noqa: BLE001 - the handle still settles and the thread goes on
+            logger.exception("could not record the failure of tag %s", job.tag)
         job.handle._fail(error)
 
     def _execute(self, job: SaveJob) -> None:
