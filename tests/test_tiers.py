@@ -8,10 +8,12 @@ import json
 import shutil
 
 import pytest
+import torch.distributed as dist
 
 import tier_tasks
-from async_ckpt import ConfigError, wrap
+from async_ckpt import ConfigError, SaveFailedError, drain, wrap
 from async_ckpt.catalog import read_latest, read_manifest
+from async_ckpt.handle import SaveHandle
 from async_ckpt.launch import RankError
 from async_ckpt.layout import manifest_path
 from async_ckpt.manifest import Manifest
@@ -255,6 +257,34 @@ def test_only_tags_saved_after_the_urls_newest_are_left_to_drain(tmp_path):
         _commit(durable, tag, 100 * step, f"save-{tag}", saved_at=1.7e9 + step)
     assert [m.tag for m in undrained(local, durable, in_flight=set())] == ["t4"]
     assert undrained(local, durable, in_flight={"t4"}) == []
+
+
+def test_a_drain_that_fails_past_its_own_handling_fails_alone_and_the_drainer_goes_on(tmp_path, monkeypatch):
+    """The durable commit of the first drain raises what the drainer does not expect there (a BaseException,
+    as a bug would); the second drain still commits. One rank, drained by hand."""
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    for step, tag in ((1, "a"), (2, "b")):
+        _commit(local, tag, step, f"save-{tag}", saved_at=1.7e9 + step)
+    failures = []
+    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, None, None, 2, True), 60.0,
+                            lambda error, job: failures.append(error))
+    real_commit = drain.commit.commit
+
+    def broken_once(*args, **kwargs):
+        monkeypatch.setattr(drain.commit, "commit", real_commit)
+        raise SystemExit("injected fault in the drain's commit")
+
+    monkeypatch.setattr(drain.commit, "commit", broken_once)
+    handles = []
+    for tag in ("a", "b"):
+        handles.append(SaveHandle(tag=tag, url=durable.url))
+        drainer.submit(drain.DrainJob(manifest=read_manifest(local, tag), drain_id=f"drain-{tag}", handle=handles[-1]))
+    with pytest.raises(SaveFailedError, match="drainer's bookkeeping.*injected fault"):
+        handles[0].result(timeout=60)
+    assert handles[1].result(timeout=60).tag == "b" and read_manifest(durable, "b") is not None
+    assert [str(f) for f in failures] == [str(handles[0].exception())]
+    drainer.stop()
+    assert drainer.join(30)
 
 
 def test_a_restart_takes_the_newest_tag_every_rank_can_read_from_some_tier():
