@@ -95,3 +95,9 @@ class Manifest:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError
             raise CorruptManifestError(f"not a valid async_ckpt manifest: {type(exc).__name__}: {exc}") from exc
 
+
+def earlier_in_run(recency: tuple[float, int], than: tuple[float, int]) -> bool:
+    """Whether the save of ``recency`` is in the history of the save of ``than`` (both ``Manifest.recency``):
+    saved before it at no higher step. After a rollback the abandoned higher steps were saved before
+    the live run's saves too, but are not their history: a fallback never goes to them."""
+    return recency < than and recency[1] <= than[1]

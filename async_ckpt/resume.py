@@ -15,7 +15,7 @@ import os
 from async_ckpt.catalog import inspect_latest, list_tags, read_manifest
 from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
-from async_ckpt.manifest import Manifest
+from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.pull import PullReport, download
 from async_ckpt.verify import check_stored_file
 from async_ckpt.storage.base import Storage
@@ -90,7 +90,7 @@ def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
     failed check): after a rollback, the live run's earlier saves, never the abandoned later steps."""
     older = [t.manifest for t in list_tags(storage) if t.committed and t.tag != manifest.tag
              and t.manifest.universal == manifest.universal and not t.manifest.consolidated
-             and t.manifest.recency < manifest.recency and t.manifest.step <= manifest.step]
+             and earlier_in_run(t.manifest.recency, manifest.recency)]
     return older[-1] if older else None
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.layout import manifest_path
-from async_ckpt.manifest import Manifest
+from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
@@ -126,9 +126,8 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
     shared_local = set.intersection(*(set(v) for v in local_views)) if local_views else set()
     readable = {t: durable_view.get(t) or local_views[0][t] for t in set(durable_view) | shared_local}
     if older_than is not None:
-        limit = readable[older_than]
-        older = sorted((*_recency(v), t) for t, v in readable.items()
-                       if _recency(v) < _recency(limit) and v[0] <= limit[0])
+        limit = _recency(readable[older_than])
+        older = sorted((*_recency(v), t) for t, v in readable.items() if earlier_in_run(_recency(v), limit))
         return (older[-1][2], "") if older else (None, f"no tag older than {older_than!r} can be read by every rank")
     if tag is not None:
         if tag in readable:
