@@ -67,8 +67,8 @@ def list_tags(storage: Storage) -> list[TagInfo]:
     for name in storage.list_dir(""):
         if name.startswith(".") or name == MARKER_DIR or not storage.is_dir(name):
             continue
-        if not storage.exists(f"{name}/{MANIFEST}") and not storage.list_dir(name):
-            continue
+        if not storage.exists(f"{name}/{MANIFEST}") and next(storage.iter_files(name), None) is None:
+            continue  # no file yet (or none left after an abort): not a tag
         try:
             infos.append(TagInfo(name, read_manifest(storage, name)))
         except CorruptManifestError as exc:

@@ -94,11 +94,14 @@ def _gc(args: argparse.Namespace) -> int:
     text = "\n".join([f"{verb} {len(report.incomplete_tags)} incomplete tag(s): {report.incomplete_tags}",
                       f"{verb} {len(report.corrupt_tags)} corrupt tag(s): {report.corrupt_tags}",
                       f"{verb} {len(report.partial_files)} partial file(s): {report.partial_files}",
-                      f"{verb} {len(report.marker_dirs)} leftover commit-marker folder(s)",
+                      f"{verb} {len(report.marker_dirs)} leftover bookkeeping folder(s)",
                       f"{'would abort' if args.dry_run else 'aborted'} {len(report.aborted_uploads)} multipart "
                       f"upload(s): {report.aborted_uploads}"]
                      + [f"kept {tag}: not committed, but latest names it (or cannot be read)"
-                        for tag in report.kept_latest])
+                        for tag in report.kept_latest]
+                     + [f"kept {tag}: no manifest and no start mark, so async_ckpt did not write it"
+                        for tag in report.kept_foreign]
+                     + [f"kept upload {key}: outside async_ckpt's tag folders" for key in report.kept_uploads])
     _emit(args, asdict(report), text)
     return EXIT_OK
 

@@ -3,10 +3,12 @@
 The ranks agree through the job's c10d store (:mod:`async_ckpt.handshake`), never through the
 training process group and never by polling the storage:
 
+0. each rank, before its first file of the tag, writes its start mark (:func:`mark_started`), so that
+   ``async-ckpt gc`` can tell a save of ours that died from any other folder without a manifest;
 1. each rank, once its files are durable, reports their sizes and CRC-32s (or its failure);
 2. rank 0 waits for every report, writes the tokenizer and DeepSpeed's recovery scripts, takes the
    ``commit`` decision and writes the manifest: the tag is committed exactly when the manifest exists;
-3. after the manifest rank 0 writes ``latest`` and applies retention. These may fail without
+3. after the manifest rank 0 writes ``latest``, removes the start marks and applies retention. These may fail without
    un-committing anything: the save is reported committed, with a warning naming what failed;
 4. rank 0 publishes the outcome, which the other ranks wait for.
 
@@ -26,12 +28,50 @@ import time
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.handshake import ABORT, COMMIT, HandshakeFailed, HandshakeTimeout, Outcome
 from async_ckpt.job import SaveJob
-from async_ckpt.layout import LATEST, MARKER_DIR, installed_recovery_scripts, manifest_path
+from async_ckpt.layout import LATEST, MARKER_DIR, installed_recovery_scripts, manifest_path, start_mark
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.serialization import copy_local_file
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
+
+
+def mark_started(storage: Storage, tag: str, rank: int, save_id: str) -> None:
+    """This rank is about to write its first file of ``tag``: its start mark first (a small durable file).
+
+    gc removes a folder without a manifest only if it holds a start mark: without one, the folder may
+    be a checkpoint stock DeepSpeed wrote, which has no manifest either. The marks go with the tag's
+    bookkeeping folder once it commits (:func:`remove_bookkeeping`), and each with its rank's files if
+    the tag aborts (:func:`unmark`).
+    """
+    storage.write_bytes(start_mark(tag, rank), save_id.encode())
+
+
+def unmark(storage: Storage, tag: str, rank: int) -> None:
+    """Remove this rank's start mark of an aborted tag, once its files are gone (a missing mark is fine)."""
+    storage.delete(start_mark(tag, rank))
+
+
+def remove_files(storage: Storage, tag: str, entries: list[FileEntry]) -> bool:
+    """Delete these files of an aborted ``tag``; return whether all of them went (failures are logged)."""
+    removed = True
+    for entry in entries:
+        try:
+            storage.delete(f"{tag}/{entry.path}")
+        except Exception as exc:
+            removed = False
+            logger.debug("could not remove %s/%s: %s", tag, entry.path, exc)
+    return removed
+
+
+def remove_bookkeeping(storage: Storage, tag: str) -> None:
+    """After the manifest: the tag's ``.async_ckpt/`` folder (start marks, byte-exact scratch) goes, so a
+    committed tag holds DeepSpeed's files and the manifest only. Failing is harmless (logged): gc removes
+    the folder once it is older than its grace period."""
+    try:
+        storage.delete(f"{tag}/{MARKER_DIR}", recursive=True)
+    except Exception as exc:
+        logger.debug("could not remove %s/%s at %s: %s", tag, MARKER_DIR, storage.url, exc)
 
 
 def report_failure(job: SaveJob, error: str) -> None:
@@ -61,13 +101,17 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
         return _publish(job, _abort(job, f"tag {job.tag!r} failed on {exc}"))
     extras = time.perf_counter()
     metrics["ranks_wait_s"] = extras - waiting
+    extra_entries: list[FileEntry] = []
     try:
-        entries += _write_extras(job)
+        _write_extras(job, extra_entries)
         metrics["extras_s"] = time.perf_counter() - extras
     except Exception as exc:
+        remove_files(job.storage, job.tag, extra_entries)
         return _publish(job, _abort(job, f"rank 0 could not write the tokenizer or DeepSpeed's recovery scripts: "
                                          f"{type(exc).__name__}: {exc}"))
+    entries += extra_entries
     if job.handshake.decide(COMMIT) != COMMIT:
+        remove_files(job.storage, job.tag, extra_entries)  # rank 0's other files go with its writer's cleanup
         return _publish(job, Outcome(False, f"tag {job.tag!r}: a rank gave up waiting before rank 0 could commit "
                                             "(raise commit_timeout_s if the writes are this slow)", cleanup=True))
     started = time.perf_counter()
@@ -97,6 +141,7 @@ def _commit_node_tier(job: SaveJob, manifest: bytes) -> list[str]:
         job.storage.write_bytes(manifest_path(job.tag), manifest)
         if job.save_latest:
             job.storage.write_bytes(LATEST, job.tag.encode())
+        remove_bookkeeping(job.storage, job.tag)
     except Exception as exc:
         warning = (f"rank {job.rank} could not commit it on its node's tier {job.storage.url} ({type(exc).__name__}: "
                    f"{exc}); that node's ranks restart from the durable tier")
@@ -156,10 +201,11 @@ def _committed(job: SaveJob) -> bool:
     return manifest is not None and manifest.save_id == job.save_id
 
 
-def _write_extras(job: SaveJob) -> list[FileEntry]:
+def _write_extras(job: SaveJob, entries: list[FileEntry]) -> None:
     """Rank 0's tokenizer and model config into the tag, DeepSpeed's recovery scripts into the root
-    (not for a consolidated save: it has no ZeRO shards to recover)."""
-    storage, entries = job.storage, []
+    (not for a consolidated save: it has no ZeRO shards to recover). ``entries`` gets each file as it
+    is written, so that an abort, even one this raises, can remove them."""
+    storage = job.storage
     if job.extras_dir:
         for root, _, names in os.walk(job.extras_dir):
             for name in sorted(names):
@@ -169,7 +215,6 @@ def _write_extras(job: SaveJob) -> list[FileEntry]:
         shutil.rmtree(job.extras_dir, ignore_errors=True)
     if not job.consolidated:
         _write_recovery_scripts(storage)
-    return entries
 
 
 def _write_recovery_scripts(storage: Storage) -> None:
@@ -206,7 +251,7 @@ def _manifest(job: SaveJob, entries: list[FileEntry]) -> Manifest:
 
 
 def _after_commit(job: SaveJob, manifest: Manifest) -> list[str]:
-    """``latest``, scratch removal and retention: each may fail; none of them un-commits the tag."""
+    """``latest``, bookkeeping removal and retention: each may fail; none of them un-commits the tag."""
     storage, warnings = job.storage, []
     later = _later_save_named_by_latest(job, manifest)
     if later is not None:
@@ -218,12 +263,7 @@ def _after_commit(job: SaveJob, manifest: Manifest) -> list[str]:
         except Exception as exc:
             warnings.append(f"could not write 'latest' ({type(exc).__name__}: {exc}); load() still resumes "
                             f"from {job.tag}, the newest committed tag")
-    scratch = f"{job.tag}/{MARKER_DIR}"
-    if storage.local_dir() is not None and storage.exists(scratch):
-        try:
-            storage.delete(scratch, recursive=True)
-        except Exception as exc:
-            logger.debug("could not remove %s: %s", scratch, exc)
+    remove_bookkeeping(storage, job.tag)
     if job.keep_last:
         try:
             apply_retention(storage, job.tag, job.keep_last, job.keep_every)

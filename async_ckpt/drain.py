@@ -225,9 +225,10 @@ class Drainer:
             raise SaveFailedError(job.error, tag=job.tag)
         root = self._target.local.local_dir()
         copied = []
-        for entry in job.manifest.one_copy_each().files:
-            if entry.rank != self._rank:
-                continue
+        mine = [entry for entry in job.manifest.one_copy_each().files if entry.rank == self._rank]
+        if mine:
+            commit.mark_started(self._target.durable, job.tag, self._rank, job.manifest.save_id)
+        for entry in mine:
             source = os.path.join(root, job.tag, *entry.path.split("/"))
             done = copy_local_file(self._target.durable, f"{job.tag}/{entry.path}", source, tag_dir=job.tag,
                                    rank=self._rank)

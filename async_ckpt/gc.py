@@ -2,14 +2,17 @@
 
 Left behind by a crash can be: tag folders without a manifest (a save that never committed) or
 with one that cannot be read (a corrupt tag, which is never loaded),
-``.partial`` files (a write cut off mid-file), commit markers, and on S3 multipart uploads that
-were never completed or aborted (their parts are stored, and billed, until aborted). Anything
-younger than the grace period may belong to a save still in progress and is left alone.
-Committed tags are never touched, nor is the folder ``latest`` or ``latest_universal`` names: without
-a manifest that is a checkpoint stock DeepSpeed wrote (say, before the engine was wrapped), not a
-save of ours that died; while either file cannot be read, no folder without a manifest is removed.
-Any other folder under the root without a manifest counts as a dead save, so point gc at a root
-only async_ckpt (or stock DeepSpeed, named by ``latest``) writes to.
+``.partial`` files (a write cut off mid-file), bookkeeping folders (``.async_ckpt/``), and on S3
+multipart uploads that were never completed or aborted (their parts are stored, and billed, until
+aborted). Anything younger than the grace period may belong to a save still in progress and is left alone.
+
+Only what async_ckpt wrote is touched. A folder without a manifest is a save of ours that died only
+if it holds a start mark (every rank writes one before its first file of a tag,
+:func:`async_ckpt.commit.mark_started`); any other is kept and reported (``kept_foreign``): a
+checkpoint stock DeepSpeed wrote, say before the engine was wrapped, has no manifest either. So is
+the folder ``latest`` or ``latest_universal`` names, and every folder without a manifest while either
+file cannot be read. An upload is aborted only under a tag folder of ours (committed, corrupt or
+marked), so gc at a bucket's root leaves other writers' uploads alone.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class GcReport:
     marker_dirs: list[str] = field(default_factory=list)
     aborted_uploads: list[str] = field(default_factory=list)
     kept_latest: list[str] = field(default_factory=list)  # uncommitted folders kept: a latest file names them (or may)
+    kept_foreign: list[str] = field(default_factory=list)  # folders without a manifest or a start mark: not ours
+    kept_uploads: list[str] = field(default_factory=list)  # uploads outside our tag folders: not ours
 
 
 def _newest_mtime(storage: Storage, relpath: str) -> float:
@@ -49,6 +54,20 @@ def _newest_mtime(storage: Storage, relpath: str) -> float:
     return created if created > 0 else time.time()
 
 
+def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcReport) -> None:
+    """In a committed tag: ``.partial`` files and the bookkeeping folder older than ``cutoff``."""
+    for path in storage.iter_files(tag):
+        if path.endswith(".partial") and storage.modified(path) < cutoff:
+            report.partial_files.append(path)
+            if not report.dry_run:
+                storage.delete(path)
+    markers = f"{tag}/{MARKER_DIR}"
+    if storage.is_dir(markers) and _newest_mtime(storage, markers) < cutoff:
+        report.marker_dirs.append(markers)
+        if not report.dry_run:
+            storage.delete(markers, recursive=True)
+
+
 def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool = False) -> GcReport:
     """Remove (or with ``dry_run`` only list) garbage older than ``grace_s`` seconds."""
     report = GcReport(dry_run=dry_run)
@@ -62,33 +81,39 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     if unreadable:
         logger.warning("gc %s: %s; folders without a readable manifest are kept, as it may name one of them",
                        storage.url, "; ".join(unreadable))
+    ours = set()  # tag folders async_ckpt wrote: committed, corrupt (a manifest of ours) or marked
     for info in list_tags(storage):
-        if not info.committed:
-            if info.tag in named or unreadable:
-                report.kept_latest.append(info.tag)
-                logger.info("gc %s: %s has no manifest async_ckpt can read, but 'latest' names it (or may): kept "
-                            "(a checkpoint stock DeepSpeed wrote?)", storage.url, info.tag)
-            elif _newest_mtime(storage, info.tag) < cutoff:
-                (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
-                if not dry_run:
-                    storage.delete(info.tag, recursive=True)
+        if info.committed:
+            ours.add(info.tag)
+            _collect_leftovers(storage, info.tag, cutoff, report)
             continue
-        for path in storage.iter_files(info.tag):
-            if path.endswith(".partial") and storage.modified(path) < cutoff:
-                report.partial_files.append(path)
-                if not dry_run:
-                    storage.delete(path)
-        markers = f"{info.tag}/{MARKER_DIR}"
-        if storage.is_dir(markers) and _newest_mtime(storage, markers) < cutoff:
-            report.marker_dirs.append(markers)
+        marked = info.error is not None or storage.is_dir(f"{info.tag}/{MARKER_DIR}")
+        if marked:
+            ours.add(info.tag)
+        if info.tag in named or unreadable:
+            report.kept_latest.append(info.tag)
+            logger.info("gc %s: %s has no manifest async_ckpt can read, but 'latest' names it (or may): kept "
+                        "(a checkpoint stock DeepSpeed wrote?)", storage.url, info.tag)
+        elif not marked:
+            report.kept_foreign.append(info.tag)
+            logger.info("gc %s: %s has neither a manifest nor async_ckpt's start mark: kept, as async_ckpt did not "
+                        "start it (a checkpoint stock DeepSpeed wrote?); remove it yourself if it is garbage",
+                        storage.url, info.tag)
+        elif _newest_mtime(storage, info.tag) < cutoff:
+            (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
             if not dry_run:
-                storage.delete(markers, recursive=True)
+                storage.delete(info.tag, recursive=True)
     for key, upload_id, started in storage.list_incomplete_uploads():
-        if started < cutoff:
+        if key.split("/", 1)[0] not in ours:
+            report.kept_uploads.append(key)
+        elif started < cutoff:
             report.aborted_uploads.append(key)
             if not dry_run:
                 storage.abort_upload(key, upload_id)
-    logger.info("gc %s%s: %d incomplete tag(s), %d corrupt tag(s), %d partial file(s), %d marker folder(s), "
+    if report.kept_uploads:
+        logger.info("gc %s: %d multipart upload(s) outside async_ckpt's tag folders kept: %s", storage.url,
+                    len(report.kept_uploads), report.kept_uploads)
+    logger.info("gc %s%s: %d incomplete tag(s), %d corrupt tag(s), %d partial file(s), %d bookkeeping folder(s), "
                 "%d upload(s)", storage.url, " (dry run)" if dry_run else "", len(report.incomplete_tags),
                 len(report.corrupt_tags), len(report.partial_files),
                 len(report.marker_dirs), len(report.aborted_uploads))

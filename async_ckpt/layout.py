@@ -64,6 +64,12 @@ def manifest_path(tag: str) -> str:
     return f"{tag}/{MANIFEST}"
 
 
+def start_mark(tag: str, rank: int) -> str:
+    """The file a rank writes into a tag before any other: the sign, for ``async-ckpt gc``, that a folder
+    without a manifest is a save of ours that died, not a checkpoint someone else (stock DeepSpeed) wrote."""
+    return f"{tag}/{MARKER_DIR}/started-rank{rank}"
+
+
 def files_for_rank(paths: list[str], dp_rank: int, mp_rank: int | None = None) -> list[str]:
     """Of a tag's DeepSpeed files, those rank ``dp_rank`` reads in ``load_checkpoint``.
 

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from async_ckpt.catalog import read_manifest
+from async_ckpt.commit import mark_started, remove_bookkeeping
 from async_ckpt.errors import ConversionError, TagExistsError, UsageError
 from async_ckpt.layout import LATEST_UNIVERSAL, MANIFEST, manifest_path, validate_tag
 from async_ckpt.manifest import FileEntry, Manifest
@@ -56,13 +57,16 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
             pull(source, manifest, root, show_progress=show_progress)
         out_dir = os.path.join(scratch, "out", out_tag)
         _run_ds_to_universal(os.path.join(root, manifest.tag), out_dir, workers)
+        save_id = uuid.uuid4().hex
+        mark_started(dest, out_tag, 0, save_id)  # a push cut short is then gc's to remove
         entries = _push(dest, out_tag, out_dir, os.path.join(root, manifest.tag), manifest)
     converted = Manifest(tag=out_tag, step=manifest.step, world_size=manifest.world_size,
                          zero_stage=manifest.zero_stage, dtype=manifest.dtype,
                          files=sorted(entries, key=lambda e: e.path), versions=dict(manifest.versions),
-                         created_unix=time.time(), save_id=uuid.uuid4().hex, universal=True)
+                         created_unix=time.time(), save_id=save_id, universal=True)
     dest.write_bytes(manifest_path(out_tag), converted.to_json())
     dest.write_bytes(LATEST_UNIVERSAL, out_tag.encode())
+    remove_bookkeeping(dest, out_tag)
     report = UniversalReport(source_tag=manifest.tag, tag=out_tag, url=dest.url, files=len(entries),
                              total_bytes=converted.total_bytes, seconds=time.perf_counter() - started)
     logger.info("converted %s to universal tag %s at %s: %d files, %.3f GB in %.1f s", manifest.tag, out_tag,

@@ -150,6 +150,8 @@ class BackgroundWriter:
             lent = copied = 0
             copy_wait = _CopyWait(job)
             scratch_dir = self._scratch_dir(job)
+            current = "its start mark"
+            commit.mark_started(job.storage, job.tag, job.rank, job.save_id)
             streamed = job.max_shard_bytes is None and scratch_dir is None
             for staged in job.files:
                 if job.reads_abandoned:  # training went on: stop reading its state, the save fails below
@@ -239,15 +241,16 @@ class BackgroundWriter:
         return os.path.join(self._cache_dir, "scratch")
 
     def _fail(self, job: SaveJob, error: SaveFailedError, written: list[FileEntry], *, cleanup: bool) -> None:
-        """Resolve the handle with ``error``; remove this rank's files of the tag if no manifest can appear,
-        and the tokenizer and config saved for it (they would stay in the shadow folder until close)."""
+        """Resolve the handle with ``error``; remove this rank's files of the tag and its start mark if no
+        manifest can appear, and the tokenizer and config saved for it (they would stay in the shadow
+        folder until close)."""
         if job.extras_dir:
             shutil.rmtree(job.extras_dir, ignore_errors=True)
-        for entry in written if cleanup else []:
-            try:
-                job.storage.delete(f"{job.tag}/{entry.path}")
+        if cleanup and commit.remove_files(job.storage, job.tag, written):
+            try:  # only once its files are gone: a file left behind keeps the mark that lets gc remove it
+                commit.unmark(job.storage, job.tag, job.rank)
             except Exception as cleanup_exc:
-                logger.debug("could not remove %s: %s", entry.path, cleanup_exc)
+                logger.debug("could not remove the start mark of %s: %s", job.tag, cleanup_exc)
         logger.error("%s", error)
         self._on_failure(error)  # before the handle settles: whoever it wakes finds the failure recorded
         job.handle._fail(error)

@@ -83,9 +83,9 @@ def _slow_commits() -> Iterator[None]:
     """Rank 0 holds every commit COMMIT_DELAY_S after all ranks' data is durable."""
     original = commit._write_extras  # the first step of rank 0's commit once every rank reported
 
-    def slow_commit(job):
+    def slow_commit(job, entries):
         time.sleep(COMMIT_DELAY_S)
-        return original(job)
+        return original(job, entries)
 
     commit._write_extras = slow_commit
     try:

@@ -294,6 +294,8 @@ def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "EN
             "good_manifest": os.path.exists(f"{root}/good/async_ckpt_manifest.json"),
             "bad_manifest": os.path.exists(f"{root}/bad/async_ckpt_manifest.json"),
             "bad_data_files": sorted(os.path.basename(p) for p in glob.glob(f"{root}/bad/*.pt*")),
+            "bad_files": sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(f"{root}/bad")
+                                for n in names),
             "extras_left": glob.glob(os.path.join(ckpt._shadow, "extras-*"))}
     workload.train(engine, 1, tokens, _rank())
     seen["next_save"] = _outcome(lambda: ckpt.save(tag="after"))

@@ -89,11 +89,13 @@ def test_gc_dry_run_lists_old_incomplete_tags_and_removes_nothing(local_root, ca
 
     copy = tmp_path / "gc"
     shutil.copytree(local_root, copy)
-    (copy / "crashed").mkdir()
+    (copy / "crashed" / ".async_ckpt").mkdir(parents=True)
+    mark = copy / "crashed" / ".async_ckpt" / "started-rank0"  # as a save of ours that crashed leaves it
     stale = copy / "crashed" / "zero_pp_rank_0_mp_rank_00_optim_states.pt.abc.partial"
-    stale.write_bytes(b"x" * 10)
     old = time.time() - 7200
-    os.utime(stale, (old, old))
+    for path in (mark, stale):
+        path.write_bytes(b"x" * 10)
+        os.utime(path, (old, old))
     code, out, _ = run_cli(capsys, "gc", str(copy), "--dry-run", "--json")
     assert code == 0 and json.loads(out)["incomplete_tags"] == ["crashed"] and stale.exists()
     code, out, _ = run_cli(capsys, "gc", str(copy), "--json")
@@ -105,7 +107,8 @@ def test_gc_leaves_young_incomplete_tags_alone(local_root, capsys, tmp_path):
 
     copy = tmp_path / "young"
     shutil.copytree(local_root, copy)
-    (copy / "in-progress").mkdir()
+    (copy / "in-progress" / ".async_ckpt").mkdir(parents=True)
+    (copy / "in-progress" / ".async_ckpt" / "started-rank0").write_bytes(b"x")
     (copy / "in-progress" / "zero_pp_rank_0_mp_rank_00_optim_states.pt.x.partial").write_bytes(b"x")
     code, out, _ = run_cli(capsys, "gc", str(copy), "--json")
     assert code == 0 and json.loads(out)["incomplete_tags"] == [] and (copy / "in-progress").exists()
@@ -114,10 +117,23 @@ def test_gc_leaves_young_incomplete_tags_alone(local_root, capsys, tmp_path):
 def test_gc_aborts_orphaned_multipart_uploads_on_s3(s3_root, s3, capsys):
     url, bucket = s3_root
     client = s3.client()
+    client.put_object(Bucket=bucket, Key="run/crashed/.async_ckpt/started-rank0", Body=b"x")
     client.create_multipart_upload(Bucket=bucket, Key="run/crashed/zero_pp_rank_0_mp_rank_00_optim_states.pt")
     code, out, _ = run_cli(capsys, "gc", url, "--endpoint", s3.endpoint, "--grace-s", "0", "--json")
-    assert code == 0 and len(json.loads(out)["aborted_uploads"]) == 1
+    assert code == 0 and json.loads(out)["aborted_uploads"] == ["crashed/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_gc_at_a_bucket_root_leaves_other_writers_uploads_alone(s3, capsys):
+    bucket = s3.make_bucket("cli-shared")
+    client = s3.client()
+    others = ["videos/raw.mp4", "crashed-elsewhere/model.bin"]  # no start mark: not a save of ours
+    for key in others:
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    code, out, _ = run_cli(capsys, "gc", f"s3://{bucket}", "--endpoint", s3.endpoint, "--grace-s", "0", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["aborted_uploads"] == [] and sorted(report["kept_uploads"]) == sorted(others)
+    assert sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket)["Uploads"]) == sorted(others)
 
 
 COMMANDS = ["demo", "bench", "ls", "verify", "gc", "pull", "export", "to-universal"]

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import commit_tasks
-from async_ckpt import ConfigError, CorruptManifestError
+from async_ckpt import ConfigError, CorruptManifestError, layout
 from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.cli import main
@@ -174,18 +174,29 @@ def test_an_unreadable_manifest_raises_a_typed_error():
 # ---------------------------------------------------------------- gc grace
 
 
-def test_gc_leaves_a_tag_folder_without_files_alone_during_the_grace_period(tmp_path):
-    os.makedirs(tmp_path / "global_step7" / ".async_ckpt" / "scratch-rank0")
+def _folder(root, tag: str, *, start_mark: bool, age_s: float = 0.0) -> None:
+    """A tag folder without a manifest: with a start mark, as a save of ours leaves it when it dies;
+    without, as stock DeepSpeed writes one. Every file ``age_s`` old."""
+    rels = [layout.start_mark(tag, 0)] if start_mark else []
+    for rel in rels + [f"{tag}/mp_rank_00_model_states.pt"]:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - age_s,) * 2)
+
+
+def test_gc_leaves_a_dead_save_alone_during_the_grace_period(tmp_path):
+    _folder(tmp_path, "global_step7", start_mark=True, age_s=60)
     storage = open_storage(str(tmp_path))
     assert collect_garbage(storage, grace_s=3600).incomplete_tags == []
+    assert collect_garbage(storage, grace_s=30, dry_run=True).incomplete_tags == ["global_step7"]
     assert os.path.isdir(tmp_path / "global_step7")
 
 
 def test_gc_keeps_a_folder_without_manifest_that_latest_names(tmp_path):
     """A stock DeepSpeed checkpoint in the root (written before the engine was wrapped) has no manifest."""
-    for tag in ("global_step1000", "dead"):
-        os.makedirs(tmp_path / tag)
-        (tmp_path / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    _folder(tmp_path, "global_step1000", start_mark=False)
+    _folder(tmp_path, "dead", start_mark=True)
     (tmp_path / "latest").write_text("global_step1000")
     report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
     assert report.kept_latest == ["global_step1000"] and report.incomplete_tags == ["dead"]
@@ -194,12 +205,21 @@ def test_gc_keeps_a_folder_without_manifest_that_latest_names(tmp_path):
 
 
 def test_gc_keeps_folders_without_manifest_while_latest_cannot_be_read(tmp_path):
-    os.makedirs(tmp_path / "dead")
-    (tmp_path / "dead" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    _folder(tmp_path, "dead", start_mark=True)
     (tmp_path / "latest").write_bytes(b"\xff\xfe not text")
     report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
     assert report.kept_latest == ["dead"] and report.incomplete_tags == []
     assert os.path.isfile(tmp_path / "dead" / "mp_rank_00_model_states.pt")
+
+
+def test_gc_keeps_folders_async_ckpt_did_not_start(tmp_path):
+    """Stock DeepSpeed's older saves in the root, which ``latest`` no longer names: no manifest, no start mark."""
+    for tag in ("global_step100", "global_step200"):
+        _folder(tmp_path, tag, start_mark=False, age_s=7200)
+    (tmp_path / "latest").write_text("global_step300")
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.kept_foreign == ["global_step100", "global_step200"] and report.incomplete_tags == []
+    assert all(os.path.isfile(tmp_path / t / "mp_rank_00_model_states.pt") for t in report.kept_foreign)
 
 
 # ---------------------------------------------------------------- configuration types
@@ -217,8 +237,9 @@ def test_configuration_refuses_booleans_and_wrong_types_naming_the_field(field, 
 
 
 def _thread_save(root: str, world_size: int, *, timeout_s: float, delay=lambda rank, name, path: 0.0,
-                 stores=None) -> tuple[list[SaveHandle], dict]:
-    """One save by ``world_size`` background writers (one per thread rank) through a shared store."""
+                 stores=None, extras_dir: str | None = None) -> tuple[list[SaveHandle], dict]:
+    """One save by ``world_size`` background writers (one per thread rank) through a shared store;
+    ``extras_dir``: rank 0's tokenizer folder."""
     store = dist.HashStore() if stores is None else None
     tag, save_id = "t", uuid.uuid4().hex
     errors: dict = {}
@@ -231,7 +252,8 @@ def _thread_save(root: str, world_size: int, *, timeout_s: float, delay=lambda r
         job = SaveJob(tag=tag, save_id=save_id, storage=storage, rank=rank, world_size=world_size,
                       files=[StagedFile(f"{tag}/rank{rank}.pt", {"rank": rank}, 0)], ticket=CopyTicket([]),
                       handle=handle, handshake=Handshake(stores[rank] if stores else store, save_id, rank, world_size),
-                      save_latest=True, keep_last=None, keep_every=None, metadata={"step": 1})
+                      save_latest=True, keep_last=None, keep_every=None, metadata={"step": 1},
+                      extras_dir=extras_dir if rank == 0 else None)
         writer = BackgroundWriter(rank, timeout_s, lambda e, rank=rank: errors.setdefault(rank, e),
                                   cache_dir=os.path.join(root, ".cache"))
         writer.submit(job)
@@ -245,6 +267,10 @@ def _thread_save(root: str, world_size: int, *, timeout_s: float, delay=lambda r
 
 def _files(root) -> list[str]:
     return sorted(n for n in os.listdir(os.path.join(root, "t")) if n.endswith(".pt"))
+
+
+def _every_file(folder) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), folder) for d, _, names in os.walk(folder) for n in names)
 
 
 def _manifest_held(seconds: float):
@@ -273,6 +299,18 @@ def test_rank_0_never_commits_a_tag_a_peer_gave_up_on(tmp_path):
     assert sorted(errors) == [0, 1, 2] and "gave up" in str(errors[1])
     assert not os.path.exists(tmp_path / "t" / MANIFEST)
     assert _files(tmp_path) == []  # no manifest can appear: every rank removed its files
+
+
+def test_a_tag_a_peer_gave_up_on_after_rank_0_wrote_the_tokenizer_leaves_no_file(tmp_path):
+    """Not even the tokenizer rank 0 wrote into the tag, nor the start marks (gc would need them for any file left)."""
+    extras = tmp_path / "extras"
+    extras.mkdir()
+    (extras / "tokenizer.json").write_text("{}")
+    def held(rank, name, path):
+        return 2.0 if name == "open_write" and path.endswith("tokenizer.json") else 0.0
+    handles, errors = _thread_save(str(tmp_path / "root"), 2, timeout_s=0.5, delay=held, extras_dir=str(extras))
+    assert sorted(errors) == [0, 1] and "gave up waiting before rank 0 could commit" in str(errors[0])
+    assert _every_file(tmp_path / "root" / "t") == []
 
 
 def test_a_rank_whose_write_fails_fails_the_tag_on_every_rank_without_waiting(tmp_path):

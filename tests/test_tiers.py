@@ -170,9 +170,14 @@ def test_a_failed_drain_is_reported_and_leaves_the_durable_tier_unchanged(healed
         assert out["durable_latest_after_failure"] is False
 
 
+def test_a_failed_drain_leaves_what_it_copied_for_gc_as_a_dead_save_of_ours(healed):
+    assert [out["gc_after_failure"] for out in healed["ranks"]] == [["first"], ["first"]]
+
+
 def test_a_failed_drain_is_redone_by_close_or_by_the_next_save(healed):
     durable = open_storage(str(healed["durable"]))
     assert read_manifest(durable, "first") is not None
+    assert not (healed["durable"] / "first" / ".async_ckpt").exists()  # the start marks went with the commit
     assert read_latest(durable) == ("second" if healed["by"] == "save" else "first")
 
 

@@ -52,6 +52,11 @@ def test_failed_tag_leaves_no_partial_data_files(failed):
     assert out[1]["bad_data_files"] == []
 
 
+def test_a_failed_tag_leaves_no_file_behind_not_even_its_start_marks(failed):
+    _, out, _ = failed
+    assert [r["bad_files"] for r in out] == [[], []]
+
+
 def test_a_failed_save_leaves_no_tokenizer_or_config_behind_in_the_shadow_folder(failed):
     _, out, _ = failed
     assert [r["extras_left"] for r in out] == [[], []]

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 import async_ckpt
 from async_ckpt import workload
+from async_ckpt.gc import collect_garbage
+from async_ckpt.storage import open_storage
 from rank_tasks import STEPS_AFTER, _flip_byte, _outcome, async_ckpt_log
 
 STAGE = 2  # ZeRO-2: rank 1 reads the model-states file that rank 0 writes, so node folders must each hold one
@@ -142,7 +144,8 @@ def drain_fails_then_heals(durable: str, work: str, heal_by: str) -> dict:
     handle = ckpt.save(tag="first")
     out = {"local_committed": handle.wait_local(120) and handle.local_result().tag == "first",
            "drain_error": str(handle.exception(timeout=120)),
-           "durable_latest_after_failure": os.path.exists(os.path.join(durable, "latest"))}
+           "durable_latest_after_failure": os.path.exists(os.path.join(durable, "latest")),
+           "gc_after_failure": collect_garbage(open_storage(durable), grace_s=0, dry_run=True).incomplete_tags}
     ckpt.storage.fs.fail_ranks = set()  # the durable tier heals
     if heal_by == "save":
         workload.train(engine, 1, tokens, _rank())

@@ -203,8 +203,9 @@ class Storage(abc.ABC):
         """Last modification time of a file, as a Unix timestamp."""
 
     def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
-        """Unfinished multipart uploads under the root: ``(key, upload id, started)``; none for files."""
+        """Unfinished multipart uploads under the root: ``(path relative to the root, upload id, started)``;
+        none for files."""
         return []
 
-    def abort_upload(self, key: str, upload_id: str) -> None:
+    def abort_upload(self, relpath: str, upload_id: str) -> None:
         raise NotImplementedError

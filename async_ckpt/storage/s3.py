@@ -325,17 +325,21 @@ class S3Storage(FsspecStorage):
     def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
         async def listing() -> list[tuple[str, str, float]]:
             s3 = await self._client()
-            found, kwargs = [], {"Bucket": self.bucket, "Prefix": f"{self.prefix}/" if self.prefix else ""}
+            prefix = f"{self.prefix}/" if self.prefix else ""
+            found, kwargs = [], {"Bucket": self.bucket, "Prefix": prefix}
             while True:
                 resp = await s3.list_multipart_uploads(**kwargs)
-                found += [(u["Key"], u["UploadId"], u["Initiated"].timestamp()) for u in resp.get("Uploads", [])]
+                found += [(u["Key"][len(prefix):], u["UploadId"], u["Initiated"].timestamp())
+                          for u in resp.get("Uploads", [])]
                 if not resp.get("IsTruncated"):
                     return found
                 kwargs.update(KeyMarker=resp["NextKeyMarker"], UploadIdMarker=resp["NextUploadIdMarker"])
 
         return fsspec.asyn.sync(self.fs.loop, listing)
 
-    def abort_upload(self, key: str, upload_id: str) -> None:
+    def abort_upload(self, relpath: str, upload_id: str) -> None:
+        key = self._key(relpath)
+
         async def abort() -> None:
             s3 = await self._client()
             await self.retry.run(f"abort {key}", lambda: s3.abort_multipart_upload(
