@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from async_ckpt import __version__ as _version
-from async_ckpt import inflight
+from async_ckpt import commit, inflight
 from async_ckpt.catalog import read_manifest
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
@@ -39,7 +39,7 @@ from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError,
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Handshake, Outcome, brief, job_store
 from async_ckpt.job import SaveJob
-from async_ckpt.layout import manifest_path, model_parallel_size, validate_tag
+from async_ckpt.layout import MANIFEST, MARKER_DIR, manifest_path, model_parallel_size, validate_tag
 from async_ckpt.manifest import Manifest
 from async_ckpt.pull import PullReport
 from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
@@ -63,6 +63,7 @@ class _Proposal(NamedTuple):
     committed: bool  # the tag has a manifest already
     replaceable: bool  # ... of an earlier consolidated save, which an export may replace
     redrain: list[tuple[str, str]]  # (tag, drain id) of drains to resume (tiered)
+    foreign: bool = False  # the tag's folder holds files async_ckpt did not start (no manifest, no mark)
 
 
 class _View(NamedTuple):
@@ -567,10 +568,12 @@ class AsyncCheckpointer:
                         self.config.local_tier_max_bytes) if tiered else (True, "")
         if self.rank == 0:
             try:
-                committed = storage.exists(manifest_path(tag)) or (tiered and self._local.exists(manifest_path(tag)))
+                held = storage.list_dir(tag)  # one request tells a committed tag from a folder of someone else's
+                committed = MANIFEST in held or (tiered and self._local.exists(manifest_path(tag)))
                 redrain = self._drains_to_resume() if tiered and self._drain_failed else []
                 proposal = _Proposal(uuid.uuid4().hex, committed,
-                                     committed and replace_export and _is_consolidated(storage, tag), redrain)
+                                     committed and replace_export and _is_consolidated(storage, tag), redrain,
+                                     foreign=bool(held) and not committed and MARKER_DIR not in held)
             except Exception as exc:  # raised below, on every rank
                 problem = exc
         views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),
@@ -587,7 +590,12 @@ class AsyncCheckpointer:
                 self.engine._checkpoint_tag_validation(tag)  # DeepSpeed's own check raises its own error
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
-        save_id, committed, replaceable, redrain = views[0].proposal  # type: ignore[misc]
+        save_id, committed, replaceable, redrain, foreign = views[0].proposal  # type: ignore[misc]
+        if foreign and not self.config.overwrite_tags:
+            raise TagExistsError(f"folder {tag!r} at {storage.url} holds files but neither a manifest nor a start "
+                                 "mark of async_ckpt: a checkpoint something else wrote (stock DeepSpeed?). Saving "
+                                 "into it would mix two checkpoints' files. Use a new tag, or move that folder away "
+                                 "(overwrite_tags=True writes into it, as DeepSpeed would)")
         if committed and not (replaceable or self.config.overwrite_tags):
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "
@@ -595,9 +603,11 @@ class AsyncCheckpointer:
         if committed and self.rank == 0:
             logger.warning("overwriting committed tag %s at %s: it is uncommitted until this save commits", tag,
                            storage.url)
-            storage.delete(manifest_path(tag))  # uncommit first: a half-overwritten tag is never 'committed'
-            if tiered and self._local.exists(manifest_path(tag)):
-                self._local.delete(manifest_path(tag))
+            for tier in (storage, self._local) if tiered else (storage,):
+                if tier.exists(manifest_path(tag)):
+                    # marked first: if the job dies before this save commits, gc knows the folder for ours
+                    commit.mark_started(tier, tag, 0, save_id)
+                    tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
         self._start_drains(redrain)
         full = [f"rank {r}: {v.room[1]}" for r, v in enumerate(views) if not v.room[0]]
         if full and self.rank == 0:

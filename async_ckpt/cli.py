@@ -99,7 +99,7 @@ def _gc(args: argparse.Namespace) -> int:
                       f"upload(s): {report.aborted_uploads}"]
                      + [f"kept {tag}: not committed, but latest names it (or cannot be read)"
                         for tag in report.kept_latest]
-                     + [f"kept {tag}: no manifest and no start mark, so async_ckpt did not write it"
+                     + [f"kept {tag}: neither a manifest nor a start mark (not a save async_ckpt started)"
                         for tag in report.kept_foreign]
                      + [f"kept upload {key}: outside async_ckpt's tag folders" for key in report.kept_uploads])
     _emit(args, asdict(report), text)

@@ -28,7 +28,8 @@ import time
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.handshake import ABORT, COMMIT, HandshakeFailed, HandshakeTimeout, Outcome
 from async_ckpt.job import SaveJob
-from async_ckpt.layout import LATEST, MARKER_DIR, installed_recovery_scripts, manifest_path, start_mark
+from async_ckpt.layout import (LATEST, MARKER_DIR, deletion_mark, installed_recovery_scripts, manifest_path,
+                               start_mark)
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.serialization import copy_local_file
 from async_ckpt.storage.base import Storage
@@ -41,15 +42,27 @@ def mark_started(storage: Storage, tag: str, rank: int, save_id: str) -> None:
 
     gc removes a folder without a manifest only if it holds a start mark: without one, the folder may
     be a checkpoint stock DeepSpeed wrote, which has no manifest either. The marks go with the tag's
-    bookkeeping folder once it commits (:func:`remove_bookkeeping`), and each with its rank's files if
-    the tag aborts (:func:`unmark`).
+    bookkeeping folder once it commits (:func:`remove_bookkeeping`; on a node tier each rank removes
+    its own), and each with its rank's files if the tag aborts (:func:`unmark`), except where the rank's
+    own write was cut short: what that left may be out of its cleanup's sight, so gc gets the folder.
     """
     storage.write_bytes(start_mark(tag, rank), save_id.encode())
 
 
 def unmark(storage: Storage, tag: str, rank: int) -> None:
-    """Remove this rank's start mark of an aborted tag, once its files are gone (a missing mark is fine)."""
+    """Remove this rank's start mark (a missing mark is fine): of an aborted tag once its files are gone,
+    or of a tag committed on a node tier, where each rank removes its own, never a later save's."""
     storage.delete(start_mark(tag, rank))
+
+
+def delete_tag(storage: Storage, tag: str) -> None:
+    """The one way a tag is deleted (retention, local-tier pruning, gc): its deletion mark, then the
+    manifest (uncommitted first: a half-deleted tag is never 'committed'), the folder, and the mark.
+    A deletion cut short leaves the mark, by which gc knows the rest of the folder for ours."""
+    storage.write_bytes(deletion_mark(tag), b"")
+    storage.delete(manifest_path(tag))
+    storage.delete(tag, recursive=True)
+    storage.delete(deletion_mark(tag))
 
 
 def remove_files(storage: Storage, tag: str, entries: list[FileEntry]) -> bool:
@@ -93,6 +106,11 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
         if outcome.committed and job.tier_leader and outcome.manifest:
             node_manifest = Manifest.from_json(outcome.manifest).one_copy_each(job.node_ranks)
             outcome.warnings.extend(_commit_node_tier(job, node_manifest.to_json()))
+        if outcome.committed and job.tiered:  # the leader's mark goes only after the node's manifest
+            try:
+                unmark(job.storage, job.tag, job.rank)
+            except Exception as exc:
+                logger.debug("could not remove the start mark of %s on %s: %s", job.tag, job.storage.url, exc)
         return outcome
     metrics, waiting = job.handle.metrics, time.perf_counter()
     try:
@@ -106,14 +124,15 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
         _write_extras(job, extra_entries)
         metrics["extras_s"] = time.perf_counter() - extras
     except Exception as exc:
-        remove_files(job.storage, job.tag, extra_entries)
-        return _publish(job, _abort(job, f"rank 0 could not write the tokenizer or DeepSpeed's recovery scripts: "
-                                         f"{type(exc).__name__}: {exc}"))
+        aborted = _abort(job, f"rank 0 could not write the tokenizer or DeepSpeed's recovery scripts: "
+                              f"{type(exc).__name__}: {exc}")
+        aborted.cleanup = remove_files(job.storage, job.tag, extra_entries)  # else every file stays for gc
+        return _publish(job, aborted)
     entries += extra_entries
     if job.handshake.decide(COMMIT) != COMMIT:
-        remove_files(job.storage, job.tag, extra_entries)  # rank 0's other files go with its writer's cleanup
         return _publish(job, Outcome(False, f"tag {job.tag!r}: a rank gave up waiting before rank 0 could commit "
-                                            "(raise commit_timeout_s if the writes are this slow)", cleanup=True))
+                                            "(raise commit_timeout_s if the writes are this slow)",
+                                     cleanup=remove_files(job.storage, job.tag, extra_entries)))
     started = time.perf_counter()
     everything = _manifest(job, entries)  # every rank's copies: a tiered save publishes them all
     manifest = everything.one_copy_each()
@@ -141,7 +160,6 @@ def _commit_node_tier(job: SaveJob, manifest: bytes) -> list[str]:
         job.storage.write_bytes(manifest_path(job.tag), manifest)
         if job.save_latest:
             job.storage.write_bytes(LATEST, job.tag.encode())
-        remove_bookkeeping(job.storage, job.tag)
     except Exception as exc:
         warning = (f"rank {job.rank} could not commit it on its node's tier {job.storage.url} ({type(exc).__name__}: "
                    f"{exc}); that node's ranks restart from the durable tier")
@@ -307,7 +325,6 @@ def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: 
         if info.tag in protected or (keep_every and info.manifest.step % keep_every == 0):
             continue
         logger.info("retention: deleting committed tag %s (keep_last=%d)", info.tag, keep_last)
-        storage.delete(manifest_path(info.tag))  # uncommit first: a half-deleted tag is never 'committed'
-        storage.delete(info.tag, recursive=True)
+        delete_tag(storage, info.tag)
         deleted.append(info.tag)
     return deleted

@@ -90,7 +90,8 @@ class CheckpointConfig:
             tag is uncommitted (its manifest deleted) when the new save starts and its files are
             overwritten in place, so until the new save commits that tag is gone, and if the save
             fails it stays gone (``load()`` then takes the newest other committed tag). Off, a
-            reused tag raises :class:`~async_ckpt.TagExistsError` before anything is written.
+            reused tag raises :class:`~async_ckpt.TagExistsError` before anything is written, and so
+            does a tag whose folder holds files async_ckpt did not start (no manifest, no start mark).
         synchronous: every save (``save()``, ``engine.save_checkpoint``, consolidated saves) returns
             only once it committed on every rank, as DeepSpeed's own save returns with its files
             written; a failure is then raised or logged right there, as ``on_error`` says. Host

@@ -20,7 +20,8 @@ class InvalidTagError(ConfigError):
 
 
 class TagExistsError(ConfigError):
-    """The tag is already committed; saving again would overwrite a good checkpoint."""
+    """The tag is already committed, or its folder holds another writer's checkpoint: saving would
+    overwrite or mix into a good checkpoint."""
 
 
 class StorageError(AsyncCkptError):

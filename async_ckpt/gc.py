@@ -8,7 +8,8 @@ aborted). Anything younger than the grace period may belong to a save still in p
 
 Only what async_ckpt wrote is touched. A folder without a manifest is a save of ours that died only
 if it holds a start mark (every rank writes one before its first file of a tag,
-:func:`async_ckpt.commit.mark_started`); any other is kept and reported (``kept_foreign``): a
+:func:`async_ckpt.commit.mark_started`) or a deletion mark names it (a deletion cut short,
+:func:`async_ckpt.commit.delete_tag`); any other is kept and reported (``kept_foreign``): a
 checkpoint stock DeepSpeed wrote, say before the engine was wrapped, has no manifest either. So is
 the folder ``latest`` or ``latest_universal`` names, and every folder without a manifest while either
 file cannot be read. An upload is aborted only under a tag folder of ours (committed, corrupt or
@@ -22,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 from async_ckpt.catalog import inspect_latest, list_tags
-from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MARKER_DIR
+from async_ckpt.commit import delete_tag
+from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark, deletion_marks_folder, is_start_mark
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
@@ -81,13 +83,16 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     if unreadable:
         logger.warning("gc %s: %s; folders without a readable manifest are kept, as it may name one of them",
                        storage.url, "; ".join(unreadable))
-    ours = set()  # tag folders async_ckpt wrote: committed, corrupt (a manifest of ours) or marked
+    deleting = set(storage.list_dir(deletion_marks_folder()))
+    ours, uncommitted = set(), set()  # ours: tag folders async_ckpt wrote: committed, corrupt or marked
     for info in list_tags(storage):
         if info.committed:
             ours.add(info.tag)
             _collect_leftovers(storage, info.tag, cutoff, report)
             continue
-        marked = info.error is not None or storage.is_dir(f"{info.tag}/{MARKER_DIR}")
+        uncommitted.add(info.tag)
+        marked = (info.error is not None or info.tag in deleting
+                  or any(map(is_start_mark, storage.list_dir(f"{info.tag}/{MARKER_DIR}"))))
         if marked:
             ours.add(info.tag)
         if info.tag in named or unreadable:
@@ -102,7 +107,14 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
         elif _newest_mtime(storage, info.tag) < cutoff:
             (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
             if not dry_run:
-                storage.delete(info.tag, recursive=True)
+                delete_tag(storage, info.tag)
+    ours |= deleting  # an upload under a tag being deleted is ours too
+    for tag in deleting - uncommitted:  # the deletion ended, or never began: only its mark is left
+        mark = deletion_mark(tag)
+        if storage.modified(mark) < cutoff:
+            report.marker_dirs.append(mark)
+            if not dry_run:
+                storage.delete(mark)
     for key, upload_id, started in storage.list_incomplete_uploads():
         if key.split("/", 1)[0] not in ours:
             report.kept_uploads.append(key)

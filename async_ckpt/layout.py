@@ -64,10 +64,29 @@ def manifest_path(tag: str) -> str:
     return f"{tag}/{MANIFEST}"
 
 
+_START_MARK = "started-rank"
+
+
 def start_mark(tag: str, rank: int) -> str:
     """The file a rank writes into a tag before any other: the sign, for ``async-ckpt gc``, that a folder
     without a manifest is a save of ours that died, not a checkpoint someone else (stock DeepSpeed) wrote."""
-    return f"{tag}/{MARKER_DIR}/started-rank{rank}"
+    return f"{tag}/{MARKER_DIR}/{_START_MARK}{rank}"
+
+
+def is_start_mark(name: str) -> bool:
+    """Whether a file name in a tag's ``.async_ckpt/`` folder is a start mark (not byte-exact scratch)."""
+    return name.startswith(_START_MARK)
+
+
+def deletion_mark(tag: str) -> str:
+    """The file written into the root's ``.async_ckpt/`` folder before a tag's deletion begins and removed
+    once it ends: a deletion cut short (a crash; an object store deletes in batches, the start marks
+    first) still leaves gc a sign that the rest of the folder is ours."""
+    return f"{MARKER_DIR}/deleting/{tag}"
+
+
+def deletion_marks_folder() -> str:
+    return f"{MARKER_DIR}/deleting"
 
 
 def files_for_rank(paths: list[str], dp_rank: int, mp_rank: int | None = None) -> list[str]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
-from async_ckpt.layout import manifest_path
+from async_ckpt.commit import delete_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.storage.base import Storage
 
@@ -161,8 +161,7 @@ def prune_local(local: Storage, durable: Storage, keep: int) -> list[str]:
             continue
         logger.info("local retention: deleting %s from %s (durable at %s; local_keep_last=%d)", info.tag, local.url,
                     durable.url, keep)
-        local.delete(manifest_path(info.tag))  # uncommit first, as on any tier
-        local.delete(info.tag, recursive=True)
+        delete_tag(local, info.tag)
         deleted.append(info.tag)
     return deleted
 

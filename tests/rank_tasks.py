@@ -267,6 +267,8 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
         open(f"{root}/partial/zero_pp_rank_0_mp_rank_00_optim_states.pt", "wb").close()
     dist.barrier()
     out["load_uncommitted_tag"] = _outcome(lambda: ckpt.load(tag="partial"))
+    out["save_into_a_foreign_folder"] = _outcome(lambda: ckpt.save(tag="partial"))
+    out["foreign_folder_after"] = sorted(os.listdir(f"{root}/partial"))
     ckpt.close()
     out["save_after_close"] = _outcome(lambda: ckpt.save())
     out["wait_after_close"] = _outcome(lambda: ckpt.wait())

@@ -125,6 +125,14 @@ def test_saving_a_committed_tag_again_is_refused(outcomes):
     assert [r["resave_committed_tag"][0] for r in outcomes] == ["TagExistsError"] * 2
 
 
+def test_saving_into_a_folder_async_ckpt_did_not_start_is_refused_and_writes_nothing(outcomes):
+    """A stock DeepSpeed checkpoint of that tag name, say: its files would mix with the new save's."""
+    for rank in outcomes:
+        kind, message = rank["save_into_a_foreign_folder"]
+        assert kind == "TagExistsError" and "'partial'" in message and "start mark" in message
+        assert rank["foreign_folder_after"] == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
 @pytest.mark.parametrize("case", ["save_after_close", "wait_after_close"])
 def test_use_after_close_is_refused(outcomes, case):
     assert outcomes[0][case][0] == "CheckpointerClosedError"

@@ -15,10 +15,12 @@ import pytest
 import torch.distributed as dist
 
 import commit_tasks
+from manifests import commit_by_hand
 from async_ckpt import ConfigError, CorruptManifestError, layout
 from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.cli import main
+from async_ckpt.commit import apply_retention
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.gc import collect_garbage
@@ -28,7 +30,7 @@ from async_ckpt.job import SaveJob
 from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import Manifest
 from async_ckpt.staging import CopyTicket, StagedFile
-from async_ckpt.storage import open_storage
+from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.writer import BackgroundWriter
 
 # ---------------------------------------------------------------- work after the manifest
@@ -212,6 +214,46 @@ def test_gc_keeps_folders_without_manifest_while_latest_cannot_be_read(tmp_path)
     assert os.path.isfile(tmp_path / "dead" / "mp_rank_00_model_states.pt")
 
 
+def test_gc_keeps_a_folder_whose_bookkeeping_folder_holds_no_start_mark(tmp_path):
+    """An aborted save leaves its empty ``.async_ckpt/``; stock DeepSpeed may save that tag name later."""
+    _folder(tmp_path, "global_step500", start_mark=False, age_s=7200)
+    (tmp_path / "global_step500" / ".async_ckpt" / "scratch-rank0").mkdir(parents=True)
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.kept_foreign == ["global_step500"] and report.incomplete_tags == []
+
+
+class _DeletionCutShort(LocalStorage):
+    """Local storage whose recursive deletes remove one file of the folder, then fail (as a crash or an
+    object store's batch that fails would leave it)."""
+
+    def delete(self, relpath, *, recursive=False):
+        if not recursive:
+            return super().delete(relpath)
+        os.remove(_every_path(os.path.join(self.root, relpath))[0])
+        raise OSError("connection reset (injected mid-deletion)")
+
+
+def test_gc_finishes_a_tag_deletion_that_was_cut_short_and_removes_its_mark(tmp_path):
+    for step, tag in enumerate(["old", "new"]):
+        commit_by_hand(open_storage(str(tmp_path)), tag, step)
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            (tmp_path / tag / name).write_bytes(b"x")
+    with pytest.raises(OSError, match="mid-deletion"):
+        apply_retention(_DeletionCutShort(str(tmp_path)), "new", keep_last=1)
+    assert not (tmp_path / "old" / MANIFEST).exists() and len(_every_file(tmp_path / "old")) == 1
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.incomplete_tags == ["old"] and report.kept_foreign == []
+    assert not (tmp_path / "old").exists() and _every_file(tmp_path / ".async_ckpt") == []
+
+
+def test_gc_removes_a_deletion_mark_whose_deletion_ended(tmp_path):
+    (tmp_path / ".async_ckpt" / "deleting").mkdir(parents=True)
+    (tmp_path / ".async_ckpt" / "deleting" / "gone").write_bytes(b"")
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.marker_dirs == [".async_ckpt/deleting/gone"]
+    assert _every_file(tmp_path / ".async_ckpt") == []
+
+
 def test_gc_keeps_folders_async_ckpt_did_not_start(tmp_path):
     """Stock DeepSpeed's older saves in the root, which ``latest`` no longer names: no manifest, no start mark."""
     for tag in ("global_step100", "global_step200"):
@@ -269,8 +311,12 @@ def _files(root) -> list[str]:
     return sorted(n for n in os.listdir(os.path.join(root, "t")) if n.endswith(".pt"))
 
 
+def _every_path(folder) -> list[str]:
+    return sorted(os.path.join(d, n) for d, _, names in os.walk(folder) for n in names)
+
+
 def _every_file(folder) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, n), folder) for d, _, names in os.walk(folder) for n in names)
+    return [os.path.relpath(path, folder) for path in _every_path(folder)]
 
 
 def _manifest_held(seconds: float):
@@ -310,7 +356,7 @@ def test_a_tag_a_peer_gave_up_on_after_rank_0_wrote_the_tokenizer_leaves_no_file
         return 2.0 if name == "open_write" and path.endswith("tokenizer.json") else 0.0
     handles, errors = _thread_save(str(tmp_path / "root"), 2, timeout_s=0.5, delay=held, extras_dir=str(extras))
     assert sorted(errors) == [0, 1] and "gave up waiting before rank 0 could commit" in str(errors[0])
-    assert _every_file(tmp_path / "root" / "t") == []
+    assert os.path.isdir(tmp_path / "root" / "t") and _every_file(tmp_path / "root" / "t") == []
 
 
 def test_a_rank_whose_write_fails_fails_the_tag_on_every_rank_without_waiting(tmp_path):

@@ -262,6 +262,26 @@ def test_to_universal_works_local_to_local(zero3, capsys, tmp_path):
     assert (tmp_path / "latest_universal").read_text() == report["tag"]
     code, out, _ = run_cli(capsys, "verify", str(tmp_path), "--tag", report["tag"], "--json")
     assert code == 0 and json.loads(out)["ok"]
+    assert not (tmp_path / report["tag"] / ".async_ckpt").exists()  # its start mark went with the commit
+
+
+def test_a_conversion_cut_short_leaves_a_folder_gc_removes(zero3, capsys, tmp_path, monkeypatch):
+    from async_ckpt import universal
+    from async_ckpt.gc import collect_garbage
+    from async_ckpt.storage import open_storage
+
+    copy, pushed = universal.copy_local_file, []
+
+    def fails_on_the_second_file(*args, **kwargs):
+        if pushed:
+            raise OSError(28, "No space left on device (injected)")
+        pushed.append(copy(*args, **kwargs))
+        return pushed[-1]
+    monkeypatch.setattr(universal, "copy_local_file", fails_on_the_second_file)
+    code, _, err = run_cli(capsys, "to-universal", str(zero3["local"]), "--out", str(tmp_path))
+    assert code != 0 and "No space left" in err
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.incomplete_tags == [f"{zero3['tag']}_universal"] and report.kept_foreign == []
 
 
 def test_to_universal_refuses_a_universal_tag_and_an_existing_output(converted, s3, capsys):

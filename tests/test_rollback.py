@@ -8,20 +8,14 @@ import pytest
 
 from async_ckpt.catalog import read_manifest
 from async_ckpt.commit import apply_retention
-from async_ckpt.layout import LATEST, manifest_path
-from async_ckpt.manifest import Manifest
+from async_ckpt.layout import LATEST
 from async_ckpt.resume import older_committed, resolve
 from async_ckpt.storage import open_storage
 from async_ckpt.tiers import choose_tag, committed_view
+from manifests import commit_by_hand
 
 #: (tag, step) in the order saved: steps 1000-3000, then a rollback to 1000 and three more saves
 ROLLED_BACK = [("s1000", 1000), ("s2000", 2000), ("s3000", 3000), ("s1100", 1100), ("s1200", 1200), ("s1300", 1300)]
-
-
-def _commit(storage, tag: str, step: int, saved_at: float) -> None:
-    manifest = Manifest(tag=tag, step=step, world_size=1, zero_stage=2, dtype="fp32", files=[],
-                        created_unix=saved_at, save_id=f"save-{tag}")
-    storage.write_bytes(manifest_path(tag), manifest.to_json())
 
 
 @pytest.fixture
@@ -29,7 +23,7 @@ def rolled_back(tmp_path):
     """The root after the rollback; ``latest`` names the last save, s1300."""
     storage = open_storage(str(tmp_path))
     for saved_at, (tag, step) in enumerate(ROLLED_BACK, start=1):
-        _commit(storage, tag, step, float(saved_at))
+        commit_by_hand(storage, tag, step, saved_at=float(saved_at))
     storage.write_bytes(LATEST, b"s1300")
     return storage
 

@@ -15,10 +15,9 @@ from async_ckpt import ConfigError, SaveFailedError, drain, wrap
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.handle import SaveHandle
 from async_ckpt.launch import RankError
-from async_ckpt.layout import manifest_path
-from async_ckpt.manifest import Manifest
 from async_ckpt.storage import open_storage
 from async_ckpt.tiers import choose_tag, prune_local, undrained
+from manifests import commit_by_hand
 from s3_server import FaultProxy, options
 
 
@@ -237,18 +236,12 @@ def test_local_keep_last_must_be_positive(tmp_path):
         wrap(object(), str(tmp_path / "durable"), local_tier=str(tmp_path / "fast"), local_keep_last=0)
 
 
-def _commit(storage, tag: str, step: int, save_id: str, saved_at: float | None = None) -> None:
-    manifest = Manifest(tag=tag, step=step, world_size=1, zero_stage=2, dtype="fp32", files=[],
-                        created_unix=float(step) if saved_at is None else saved_at, save_id=save_id)
-    storage.write_bytes(manifest_path(tag), manifest.to_json())
-
-
 def test_local_retention_never_deletes_a_tag_the_durable_tier_does_not_hold_from_the_same_save(tmp_path):
     local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
     for step, tag in enumerate(["t1", "t2", "t3", "t4", "t5"]):
-        _commit(local, tag, step, f"save-{tag}")
-    _commit(durable, "t1", 0, "save-t1")
-    _commit(durable, "t2", 1, "another-save-of-t2")
+        commit_by_hand(local, tag, step, save_id=f"save-{tag}")
+    commit_by_hand(durable, "t1", 0, save_id="save-t1")
+    commit_by_hand(durable, "t2", 1, save_id="another-save-of-t2")
     assert prune_local(local, durable, keep=2) == ["t1"]
     assert [t for t in ("t1", "t2", "t3", "t4", "t5") if read_manifest(local, t)] == ["t2", "t3", "t4", "t5"]
 
@@ -257,9 +250,9 @@ def test_only_tags_saved_after_the_urls_newest_are_left_to_drain(tmp_path):
     """t1 is no longer at the URL (its retention deleted it after t3 drained): it is not drained again."""
     local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
     for step, tag in enumerate(["t1", "t2", "t3", "t4"], start=1):
-        _commit(local, tag, 100 * step, f"save-{tag}", saved_at=1.7e9 + step)
+        commit_by_hand(local, tag, 100 * step, save_id=f"save-{tag}", saved_at=1.7e9 + step)
     for step, tag in ((2, "t2"), (3, "t3")):
-        _commit(durable, tag, 100 * step, f"save-{tag}", saved_at=1.7e9 + step)
+        commit_by_hand(durable, tag, 100 * step, save_id=f"save-{tag}", saved_at=1.7e9 + step)
     assert [m.tag for m in undrained(local, durable, in_flight=set())] == ["t4"]
     assert undrained(local, durable, in_flight={"t4"}) == []
 
@@ -269,7 +262,7 @@ def test_a_drain_that_fails_past_its_own_handling_fails_alone_and_the_drainer_go
     as a bug would); the second drain still commits. One rank, drained by hand."""
     local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
     for step, tag in ((1, "a"), (2, "b")):
-        _commit(local, tag, step, f"save-{tag}", saved_at=1.7e9 + step)
+        commit_by_hand(local, tag, step, save_id=f"save-{tag}", saved_at=1.7e9 + step)
     failures = []
     drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, None, None, 2, True), 60.0,
                             lambda error, job: failures.append(error))
