@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from async_ckpt.errors import CorruptManifestError
-from async_ckpt.layout import LATEST, MANIFEST, MARKER_DIR, manifest_path
+from async_ckpt.layout import LATEST, MANIFEST, MARKER_DIR, deletion_mark, is_start_mark, manifest_path
 from async_ckpt.manifest import Manifest
 from async_ckpt.storage.base import Storage
 
@@ -58,6 +58,19 @@ def read_manifest(storage: Storage, tag: str) -> Manifest | None:
         return Manifest.from_json(raw)
     except CorruptManifestError as exc:
         raise CorruptManifestError(f"{storage.url}/{manifest_path(tag)}: {exc}") from exc
+
+
+def started_here(storage: Storage, tag: str) -> bool:
+    """Whether the folder ``tag`` (without a readable manifest) holds a save of async_ckpt's: a start mark,
+    or a deletion mark names it and none of its files is newer than that mark (else the name was reused
+    since, say by stock DeepSpeed). Without either it may be another writer's checkpoint."""
+    if any(map(is_start_mark, storage.list_dir(f"{tag}/{MARKER_DIR}"))):
+        return True
+    try:
+        deleting_since = storage.modified(deletion_mark(tag))
+    except FileNotFoundError:
+        return False
+    return max((storage.modified(path) for path in storage.iter_files(tag)), default=0.0) <= deleting_since
 
 
 def list_tags(storage: Storage) -> list[TagInfo]:

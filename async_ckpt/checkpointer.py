@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from async_ckpt import __version__ as _version
 from async_ckpt import commit, inflight
-from async_ckpt.catalog import read_manifest
+from async_ckpt.catalog import read_manifest, started_here
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot
@@ -39,7 +39,7 @@ from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError,
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Handshake, Outcome, brief, job_store
 from async_ckpt.job import SaveJob
-from async_ckpt.layout import MANIFEST, MARKER_DIR, manifest_path, model_parallel_size, validate_tag
+from async_ckpt.layout import MANIFEST, manifest_path, model_parallel_size, validate_tag
 from async_ckpt.manifest import Manifest
 from async_ckpt.pull import PullReport
 from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
@@ -63,7 +63,7 @@ class _Proposal(NamedTuple):
     committed: bool  # the tag has a manifest already
     replaceable: bool  # ... of an earlier consolidated save, which an export may replace
     redrain: list[tuple[str, str]]  # (tag, drain id) of drains to resume (tiered)
-    foreign: bool = False  # the tag's folder holds files async_ckpt did not start (no manifest, no mark)
+    foreign: bool = False  # the tag's folder holds files async_ckpt did not start (not for an export)
 
 
 class _View(NamedTuple):
@@ -568,12 +568,13 @@ class AsyncCheckpointer:
                         self.config.local_tier_max_bytes) if tiered else (True, "")
         if self.rank == 0:
             try:
-                held = storage.list_dir(tag)  # one request tells a committed tag from a folder of someone else's
+                held = storage.list_dir(tag)  # one request tells a committed tag from a new one
                 committed = MANIFEST in held or (tiered and self._local.exists(manifest_path(tag)))
                 redrain = self._drains_to_resume() if tiered and self._drain_failed else []
                 proposal = _Proposal(uuid.uuid4().hex, committed,
                                      committed and replace_export and _is_consolidated(storage, tag), redrain,
-                                     foreign=bool(held) and not committed and MARKER_DIR not in held)
+                                     foreign=(bool(held) and not committed and not replace_export
+                                              and not started_here(storage, tag)))
             except Exception as exc:  # raised below, on every rank
                 problem = exc
         views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),

@@ -103,10 +103,14 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
     job.handshake.report(entries=entries)
     if job.rank != 0:
         outcome = _await_outcome(job, 2 * timeout_s)  # rank 0 waits up to timeout_s for the others, then commits
+        node_committed = True
         if outcome.committed and job.tier_leader and outcome.manifest:
             node_manifest = Manifest.from_json(outcome.manifest).one_copy_each(job.node_ranks)
-            outcome.warnings.extend(_commit_node_tier(job, node_manifest.to_json()))
-        if outcome.committed and job.tiered:  # the leader's mark goes only after the node's manifest
+            warnings = _commit_node_tier(job, node_manifest.to_json())
+            node_committed = not warnings
+            outcome.warnings.extend(warnings)
+        # on a node tier each rank removes its own mark; the leader's stays until the node's manifest is written
+        if outcome.committed and job.tiered and node_committed:
             try:
                 unmark(job.storage, job.tag, job.rank)
             except Exception as exc:
@@ -124,6 +128,7 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
         _write_extras(job, extra_entries)
         metrics["extras_s"] = time.perf_counter() - extras
     except Exception as exc:
+        job.keep_mark = True  # the write cut short may have left what its cleanup cannot see
         aborted = _abort(job, f"rank 0 could not write the tokenizer or DeepSpeed's recovery scripts: "
                               f"{type(exc).__name__}: {exc}")
         aborted.cleanup = remove_files(job.storage, job.tag, extra_entries)  # else every file stays for gc

@@ -22,9 +22,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from async_ckpt.catalog import inspect_latest, list_tags
+from async_ckpt.catalog import inspect_latest, list_tags, started_here
 from async_ckpt.commit import delete_tag
-from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark, deletion_marks_folder, is_start_mark
+from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark, deletion_marks_folder
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
@@ -91,8 +91,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             _collect_leftovers(storage, info.tag, cutoff, report)
             continue
         uncommitted.add(info.tag)
-        marked = (info.error is not None or info.tag in deleting
-                  or any(map(is_start_mark, storage.list_dir(f"{info.tag}/{MARKER_DIR}"))))
+        marked = info.error is not None or started_here(storage, info.tag)
         if marked:
             ours.add(info.tag)
         if info.tag in named or unreadable:
@@ -108,10 +107,15 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
             if not dry_run:
                 delete_tag(storage, info.tag)
-    ours |= deleting  # an upload under a tag being deleted is ours too
-    for tag in deleting - uncommitted:  # the deletion ended, or never began: only its mark is left
+    foreign = uncommitted - ours
+    ours |= deleting - foreign  # an upload under a tag being deleted is ours too
+    for tag in deleting - (uncommitted - foreign):  # the mark of a deletion that ended, or of a name since reused
         mark = deletion_mark(tag)
-        if storage.modified(mark) < cutoff:
+        try:
+            stale = storage.modified(mark) < cutoff
+        except FileNotFoundError:  # the deletion it marked has just ended
+            continue
+        if stale:
             report.marker_dirs.append(mark)
             if not dry_run:
                 storage.delete(mark)

@@ -39,9 +39,10 @@ callback saves it once and answers the repeated call (same folder, tag and step)
 ``load_checkpoint``, which reads ``checkpoint-N/latest``: the commit writes it last, so a folder
 loads exactly when its save committed. ``resume_from_checkpoint=True`` takes the highest-numbered
 folder, which after a crash can be one whose save never committed; :func:`last_committed_checkpoint`
-names the newest committed one instead. A run that starts below committed checkpoints of later
-steps in ``output_dir`` is refused at ``on_train_begin``: async_ckpt never overwrites a committed
-checkpoint, and would otherwise fail only when it reached that step.
+names the newest committed one instead. A run that starts below checkpoints of later steps in
+``output_dir`` (committed, or saved by stock DeepSpeed) is refused at ``on_train_begin``: async_ckpt
+never overwrites a committed checkpoint nor writes into a stock one, and would otherwise fail only
+when it reached that step.
 
 Importing this module imports transformers (in the ``example`` and ``test`` extras), which the
 rest of async_ckpt does not need.
@@ -105,11 +106,12 @@ class AsyncCheckpointCallback(TrainerCallback):
             raise UsageError(f"trainer.model_wrapped is a {type(engine).__name__}, not a DeepSpeedEngine; "
                              "async_ckpt needs Trainer to train with a DeepSpeed config (TrainingArguments(deepspeed=...))")
         later = [folder for step, folder in _checkpoint_folders(args.output_dir)
-                 if step > state.global_step and _committed_tag(folder)]
+                 if step > state.global_step and _saved_tag(folder)]
         if later:  # fail now rather than at that step, hours into the run
-            raise UsageError(f"{args.output_dir} already holds committed checkpoints of later steps than this run "
-                             f"starts from ({', '.join(os.path.basename(f) for f in later)}), and async_ckpt never "
-                             "overwrites a committed checkpoint: resume from the newest one, or move them away")
+            raise UsageError(f"{args.output_dir} already holds checkpoints of later steps than this run starts from "
+                             f"({', '.join(os.path.basename(f) for f in later)}), and async_ckpt never overwrites a "
+                             "committed checkpoint nor writes into one stock DeepSpeed saved: resume from the newest "
+                             "one, or move them away")
         self.close()  # a previous train() that raised left its checkpointer open
         self.checkpointer = wrap(engine, args.output_dir, **self._options)
         self._async_save = engine.save_checkpoint
@@ -205,11 +207,24 @@ def _checkpoint_folders(output_dir: str | os.PathLike[str]) -> list[tuple[int, s
                   if (m := _CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(root, name)))
 
 
-def _committed_tag(folder: str) -> str | None:
-    """The tag ``folder/latest`` names if that tag is committed (its manifest exists)."""
+def _latest_tag(folder: str) -> str | None:
+    """The tag ``folder/latest`` names, or ``None``."""
     try:
         with open(os.path.join(folder, LATEST)) as fh:
-            tag = fh.read().strip()
+            return fh.read().strip() or None
     except OSError:
         return None
+
+
+def _committed_tag(folder: str) -> str | None:
+    """The tag ``folder/latest`` names if that tag is committed (its manifest exists)."""
+    tag = _latest_tag(folder)
     return tag if tag and os.path.isfile(os.path.join(folder, tag, MANIFEST)) else None
+
+
+def _saved_tag(folder: str) -> str | None:
+    """The tag ``folder/latest`` names if its folder holds files: committed by async_ckpt, or written by
+    stock DeepSpeed (say, by a run before this one). A save of that tag refuses either."""
+    tag = _latest_tag(folder)
+    path = os.path.join(folder, tag) if tag else None
+    return tag if path and os.path.isdir(path) and os.listdir(path) else None

@@ -44,6 +44,10 @@ class SaveJob:
     #: The tag was a committed checkpoint, uncommitted for this save to overwrite (``overwrite_tags``, or
     #: an export replacing an earlier one): should the save fail, the tag stays uncommitted.
     overwrites: bool = False
+    #: Should the save abort, this rank's start mark stays for gc even once its files are removed: a write
+    #: of this rank was cut short and may have left what its cleanup cannot see (an upload whose abort
+    #: failed, an object whose completion's reply was lost, a consolidated file's earlier shards).
+    keep_mark: bool = False
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
     _reads: threading.Lock = field(default_factory=threading.Lock, repr=False)

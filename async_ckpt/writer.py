@@ -182,9 +182,8 @@ class BackgroundWriter:
             metrics["zero_copy_bytes"] = lent - copied
             metrics["upload_buffer_peak_bytes"] = job.storage.upload_buffer_peak_bytes
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
-            # a write cut short may leave what its own cleanup cannot see (an upload whose abort failed, an
-            # object whose completion's reply was lost, a consolidated file's earlier shards): the mark stays for gc
-            cut_short = current in {staged.relpath for staged in job.files}  # before release_buffers() empties them
+            if current in {staged.relpath for staged in job.files}:  # before release_buffers() empties them
+                job.keep_mark = True  # a file's write was cut short
             with contextlib.suppress(BaseException):  # no copy may still fill the buffers the next save reuses
                 job.ticket.wait()
             job.release_buffers()
@@ -197,7 +196,7 @@ class BackgroundWriter:
             except Exception as store_exc:  # without a report no rank can commit the tag either
                 logger.debug("could not report the failure of tag %s: %s", job.tag, store_exc)
             self._acknowledge(job)
-            self._fail(job, error, written, cleanup=True, keep_mark=cut_short)
+            self._fail(job, error, written, cleanup=True)
             return
         try:
             outcome = commit.commit(job, written, self._commit_timeout_s)
@@ -243,14 +242,14 @@ class BackgroundWriter:
             return os.path.join(local, job.tag, MARKER_DIR, f"scratch-rank{job.rank}")
         return os.path.join(self._cache_dir, "scratch")
 
-    def _fail(self, job: SaveJob, error: SaveFailedError, written: list[FileEntry], *, cleanup: bool,
-              keep_mark: bool = False) -> None:
+    def _fail(self, job: SaveJob, error: SaveFailedError, written: list[FileEntry], *, cleanup: bool) -> None:
         """Resolve the handle with ``error``; remove this rank's files of the tag if no manifest can appear,
-        and then its start mark unless ``keep_mark``; remove the tokenizer and config saved for it (they would
-        stay in the shadow folder until close)."""
+        and then its start mark, unless the job keeps it (``keep_mark``) or overwrote a committed tag (whose
+        files this save did not rewrite stay); remove the tokenizer and config saved for it (they would stay
+        in the shadow folder until close)."""
         if job.extras_dir:
             shutil.rmtree(job.extras_dir, ignore_errors=True)
-        if cleanup and commit.remove_files(job.storage, job.tag, written) and not keep_mark:
+        if cleanup and commit.remove_files(job.storage, job.tag, written) and not (job.keep_mark or job.overwrites):
             try:  # only once its files are gone: a file left behind keeps the mark that lets gc remove it
                 commit.unmark(job.storage, job.tag, job.rank)
             except Exception as cleanup_exc:

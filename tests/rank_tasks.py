@@ -318,7 +318,8 @@ def failing_overwrite_of_a_committed_tag(root: str) -> dict:
     with async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, overwrite_tags=True) as ckpt:
         error = ckpt.save(tag="t").exception(timeout=120)
     dist.barrier()
-    return {"handle_error": str(error), "t_committed": os.path.exists(f"{root}/t/async_ckpt_manifest.json")}
+    return {"handle_error": str(error), "t_committed": os.path.exists(f"{root}/t/async_ckpt_manifest.json"),
+            "t_marks": sorted(os.listdir(f"{root}/t/.async_ckpt"))}
 
 
 def failure_known_to_one_rank_first(root: str) -> dict:

@@ -246,6 +246,19 @@ def test_gc_finishes_a_tag_deletion_that_was_cut_short_and_removes_its_mark(tmp_
     assert not (tmp_path / "old").exists() and _every_file(tmp_path / ".async_ckpt") == []
 
 
+def test_gc_keeps_a_folder_made_since_under_the_name_of_a_deletion_cut_short(tmp_path):
+    """The deletion mark of global_step100 stayed (the job died right after the deletion); stock DeepSpeed
+    then saved global_step100 again (after a rollback, say): its files are newer than the mark."""
+    (tmp_path / ".async_ckpt" / "deleting").mkdir(parents=True)
+    mark = tmp_path / ".async_ckpt" / "deleting" / "global_step100"
+    mark.write_bytes(b"")
+    os.utime(mark, (time.time() - 7200,) * 2)
+    _folder(tmp_path, "global_step100", start_mark=False, age_s=60)
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.kept_foreign == ["global_step100"] and report.incomplete_tags == []
+    assert report.marker_dirs == [".async_ckpt/deleting/global_step100"] and not mark.exists()
+
+
 def test_gc_removes_a_deletion_mark_whose_deletion_ended(tmp_path):
     (tmp_path / ".async_ckpt" / "deleting").mkdir(parents=True)
     (tmp_path / ".async_ckpt" / "deleting" / "gone").write_bytes(b"")

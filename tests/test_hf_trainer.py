@@ -115,6 +115,15 @@ def test_a_new_run_refuses_to_start_below_committed_checkpoints(runs, ranks):
     assert all(e is not None and f"checkpoint-{hf_tasks.MAX_STEPS}" in e for e in errors)
 
 
+def test_a_new_run_refuses_to_start_below_a_checkpoint_stock_deepspeed_saved(runs, ranks, tmp_path):
+    stock = tmp_path / "out" / "checkpoint-99"
+    (stock / "global_step99").mkdir(parents=True)
+    (stock / "global_step99" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (stock / "latest").write_text("global_step99")
+    errors = ranks.run(hf_tasks.start_over, str(tmp_path / "out"), runs["stage"])
+    assert all(e is not None and "checkpoint-99" in e and "stock DeepSpeed" in e for e in errors)
+
+
 def test_last_committed_checkpoint_skips_folders_a_crash_left_incomplete(tmp_path):
     def folder(step, *, latest=True, manifest=True, trainer_state=True):
         path = tmp_path / f"checkpoint-{step}"

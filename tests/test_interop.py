@@ -265,6 +265,16 @@ def test_to_universal_works_local_to_local(zero3, capsys, tmp_path):
     assert not (tmp_path / report["tag"] / ".async_ckpt").exists()  # its start mark went with the commit
 
 
+def test_to_universal_refuses_an_output_folder_it_did_not_write(zero3, capsys, tmp_path):
+    """A conversion DeepSpeed's own ds_to_universal wrote there, say: a push would mix into it."""
+    theirs = tmp_path / f"{zero3['tag']}_universal" / "zero"
+    theirs.mkdir(parents=True)
+    (theirs / "optimizer_state.pt").write_bytes(b"x")
+    code, _, err = run_cli(capsys, "to-universal", str(zero3["local"]), "--out", str(tmp_path))
+    assert code == 2 and "did not write" in err
+    assert os.listdir(theirs) == ["optimizer_state.pt"]
+
+
 def test_a_conversion_cut_short_leaves_a_folder_gc_removes(zero3, capsys, tmp_path, monkeypatch):
     from async_ckpt import universal
     from async_ckpt.gc import collect_garbage

@@ -104,3 +104,9 @@ def test_a_failed_overwrite_says_the_tag_stays_uncommitted_not_that_the_checkpoi
         assert rank["t_committed"] is False
         assert "'latest' are unchanged" not in rank["handle_error"]
         assert "'t' was committed before this save uncommitted it" in rank["handle_error"]
+
+
+def test_a_failed_overwrite_keeps_every_ranks_start_mark_for_gc(ranks, tmp_path):
+    """Rank 0's write did not fail, yet files of the old tag that this save did not rewrite may stay."""
+    for rank in ranks.run(rank_tasks.failing_overwrite_of_a_committed_tag, str(tmp_path / "ckpt")):
+        assert rank["t_marks"] == ["started-rank0", "started-rank1"]
