@@ -60,6 +60,11 @@ def read_manifest(storage: Storage, tag: str) -> Manifest | None:
         raise CorruptManifestError(f"{storage.url}/{manifest_path(tag)}: {exc}") from exc
 
 
+def holds_files(storage: Storage, relpath: str) -> bool:
+    """Whether the folder holds a file at any depth (an aborted save of ours may leave empty folders)."""
+    return next(storage.iter_files(relpath), None) is not None
+
+
 def started_here(storage: Storage, tag: str) -> bool:
     """Whether the folder ``tag`` (without a readable manifest) holds a save of async_ckpt's: a start mark,
     or a deletion mark names it and none of its files is newer than that mark (else the name was reused
@@ -80,7 +85,7 @@ def list_tags(storage: Storage) -> list[TagInfo]:
     for name in storage.list_dir(""):
         if name.startswith(".") or name == MARKER_DIR or not storage.is_dir(name):
             continue
-        if not storage.exists(f"{name}/{MANIFEST}") and next(storage.iter_files(name), None) is None:
+        if not storage.exists(f"{name}/{MANIFEST}") and not holds_files(storage, name):
             continue  # no file yet (or none left after an abort): not a tag
         try:
             infos.append(TagInfo(name, read_manifest(storage, name)))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from async_ckpt import __version__ as _version
 from async_ckpt import commit, inflight
-from async_ckpt.catalog import read_manifest, started_here
+from async_ckpt.catalog import holds_files, read_manifest, started_here
 from async_ckpt.config import CheckpointConfig, OnError
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot
@@ -552,7 +552,9 @@ class AsyncCheckpointer:
                tiered: bool = False) -> _Agreement:
         """One collective on the training thread: same tag everywhere, a fresh save id, tag not committed
         (or uncommitted first: with ``overwrite_tags``, or with ``replace_export`` where the committed tag
-        is an earlier consolidated save, as DeepSpeed overwrites its 16-bit model file).
+        is an earlier consolidated save, as DeepSpeed overwrites its 16-bit model file), and its folder
+        not one with files async_ckpt did not start (unless ``overwrite_tags``; an export, with
+        ``replace_export``, writes into any folder, as DeepSpeed's ``save_16bit_model`` does).
 
         With ``tiered``, also whether the save goes to the local tier (every rank's node folder has
         room; else straight to the URL), and the drains to resume, which rank 0 lists after one failed.
@@ -574,7 +576,7 @@ class AsyncCheckpointer:
                 proposal = _Proposal(uuid.uuid4().hex, committed,
                                      committed and replace_export and _is_consolidated(storage, tag), redrain,
                                      foreign=(bool(held) and not committed and not replace_export
-                                              and not started_here(storage, tag)))
+                                              and holds_files(storage, tag) and not started_here(storage, tag)))
             except Exception as exc:  # raised below, on every rank
                 problem = exc
         views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),
@@ -594,9 +596,10 @@ class AsyncCheckpointer:
         save_id, committed, replaceable, redrain, foreign = views[0].proposal  # type: ignore[misc]
         if foreign and not self.config.overwrite_tags:
             raise TagExistsError(f"folder {tag!r} at {storage.url} holds files but neither a manifest nor a start "
-                                 "mark of async_ckpt: a checkpoint something else wrote (stock DeepSpeed?). Saving "
-                                 "into it would mix two checkpoints' files. Use a new tag, or move that folder away "
-                                 "(overwrite_tags=True writes into it, as DeepSpeed would)")
+                                 "mark of async_ckpt: a checkpoint something else wrote (stock DeepSpeed?), or a "
+                                 "save of an async_ckpt older than start marks that died. Saving into it would mix "
+                                 "two checkpoints' files. Use a new tag, or move that folder away (overwrite_tags=True "
+                                 "writes into it, as DeepSpeed would)")
         if committed and not (replaceable or self.config.overwrite_tags):
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "

@@ -94,7 +94,7 @@ def _gc(args: argparse.Namespace) -> int:
     text = "\n".join([f"{verb} {len(report.incomplete_tags)} incomplete tag(s): {report.incomplete_tags}",
                       f"{verb} {len(report.corrupt_tags)} corrupt tag(s): {report.corrupt_tags}",
                       f"{verb} {len(report.partial_files)} partial file(s): {report.partial_files}",
-                      f"{verb} {len(report.marker_dirs)} leftover bookkeeping folder(s)",
+                      f"{verb} {len(report.bookkeeping)} bookkeeping leftover(s): {report.bookkeeping}",
                       f"{'would abort' if args.dry_run else 'aborted'} {len(report.aborted_uploads)} multipart "
                       f"upload(s): {report.aborted_uploads}"]
                      + [f"kept {tag}: not committed, but latest names it (or cannot be read)"

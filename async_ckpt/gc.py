@@ -36,7 +36,7 @@ class GcReport:
     incomplete_tags: list[str] = field(default_factory=list)
     corrupt_tags: list[str] = field(default_factory=list)
     partial_files: list[str] = field(default_factory=list)
-    marker_dirs: list[str] = field(default_factory=list)
+    bookkeeping: list[str] = field(default_factory=list)  # committed tags' .async_ckpt/, stale deletion marks
     aborted_uploads: list[str] = field(default_factory=list)
     kept_latest: list[str] = field(default_factory=list)  # uncommitted folders kept: a latest file names them (or may)
     kept_foreign: list[str] = field(default_factory=list)  # folders without a manifest or a start mark: not ours
@@ -65,7 +65,7 @@ def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcRepo
                 storage.delete(path)
     markers = f"{tag}/{MARKER_DIR}"
     if storage.is_dir(markers) and _newest_mtime(storage, markers) < cutoff:
-        report.marker_dirs.append(markers)
+        report.bookkeeping.append(markers)
         if not report.dry_run:
             storage.delete(markers, recursive=True)
 
@@ -116,7 +116,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
         except FileNotFoundError:  # the deletion it marked has just ended
             continue
         if stale:
-            report.marker_dirs.append(mark)
+            report.bookkeeping.append(mark)
             if not dry_run:
                 storage.delete(mark)
     for key, upload_id, started in storage.list_incomplete_uploads():
@@ -129,8 +129,8 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     if report.kept_uploads:
         logger.info("gc %s: %d multipart upload(s) outside async_ckpt's tag folders kept: %s", storage.url,
                     len(report.kept_uploads), report.kept_uploads)
-    logger.info("gc %s%s: %d incomplete tag(s), %d corrupt tag(s), %d partial file(s), %d bookkeeping folder(s), "
+    logger.info("gc %s%s: %d incomplete tag(s), %d corrupt tag(s), %d partial file(s), %d bookkeeping leftover(s), "
                 "%d upload(s)", storage.url, " (dry run)" if dry_run else "", len(report.incomplete_tags),
                 len(report.corrupt_tags), len(report.partial_files),
-                len(report.marker_dirs), len(report.aborted_uploads))
+                len(report.bookkeeping), len(report.aborted_uploads))
     return report

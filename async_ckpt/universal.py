@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from async_ckpt.catalog import read_manifest, started_here
+from async_ckpt.catalog import holds_files, read_manifest, started_here
 from async_ckpt.commit import mark_started, remove_bookkeeping
 from async_ckpt.errors import ConversionError, TagExistsError, UsageError
 from async_ckpt.layout import LATEST_UNIVERSAL, MANIFEST, manifest_path, validate_tag
@@ -49,7 +49,7 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
     out_tag = validate_tag(tag or f"{manifest.tag}_universal")
     if read_manifest(dest, out_tag) is not None:
         raise TagExistsError(f"tag {out_tag!r} already exists at {dest.url}; pass another --out-tag or remove it")
-    if dest.list_dir(out_tag) and not started_here(dest, out_tag):
+    if holds_files(dest, out_tag) and not started_here(dest, out_tag):
         raise TagExistsError(f"folder {out_tag!r} at {dest.url} holds files async_ckpt did not write (a conversion "
                              "of DeepSpeed's own?); pass another --out-tag or move it away")
     started = time.perf_counter()

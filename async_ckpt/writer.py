@@ -150,8 +150,9 @@ class BackgroundWriter:
             lent = copied = 0
             copy_wait = _CopyWait(job)
             scratch_dir = self._scratch_dir(job)
-            current = "its start mark"
-            commit.mark_started(job.storage, job.tag, job.rank, job.save_id)
+            if job.files:  # a rank with nothing to write (of a consolidated save) starts nothing
+                current = "its start mark"
+                commit.mark_started(job.storage, job.tag, job.rank, job.save_id)
             streamed = job.max_shard_bytes is None and scratch_dir is None
             for staged in job.files:
                 if job.reads_abandoned:  # training went on: stop reading its state, the save fails below

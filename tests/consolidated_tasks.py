@@ -65,6 +65,11 @@ def consolidated_saves(stage: int, dtype: str, root: str, s3_url: str, s3_option
                            tokenizer=workload.build_tokenizer())
     ckpt.save(tag="regular").result(timeout=120)
 
+    if _rank() == 0:  # the user's own file in the export folder, as a tokenizer saved there first
+        os.makedirs(f"{root}/export16")
+        with open(f"{root}/export16/tokenizer_config.json", "w") as fh:
+            fh.write("{}")
+    dist.barrier()
     _gate(gate, opened=False)
     out["save_16bit_model"] = engine.save_16bit_model(f"faulty://{root}/export16")
     out["bin_written_at_return"] = os.path.exists(f"{root}/export16/pytorch_model.bin")
@@ -72,6 +77,7 @@ def consolidated_saves(stage: int, dtype: str, root: str, s3_url: str, s3_option
     ckpt.wait()
     out["resaved_16bit"] = engine.save_16bit_model(f"faulty://{root}/export16")  # DeepSpeed overwrites: so do we
     ckpt.wait()
+    out["export_folder"] = sorted(os.listdir(f"{root}/export16"))
 
     _gate(gate, opened=False)
     handle = ckpt.save_consolidated(max_shard_bytes=SHARD_BYTES)

@@ -269,6 +269,10 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
     out["load_uncommitted_tag"] = _outcome(lambda: ckpt.load(tag="partial"))
     out["save_into_a_foreign_folder"] = _outcome(lambda: ckpt.save(tag="partial"))
     out["foreign_folder_after"] = sorted(os.listdir(f"{root}/partial"))
+    if _rank() == 0:  # what an aborted save leaves on a local root: empty bookkeeping folders
+        os.makedirs(f"{root}/aborted/.async_ckpt/scratch-rank0", exist_ok=True)
+    dist.barrier()
+    out["save_over_an_aborted_save"] = _outcome(lambda: ckpt.save(tag="aborted").result(timeout=60))
     ckpt.close()
     out["save_after_close"] = _outcome(lambda: ckpt.save())
     out["wait_after_close"] = _outcome(lambda: ckpt.wait())

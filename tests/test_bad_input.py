@@ -133,6 +133,10 @@ def test_saving_into_a_folder_async_ckpt_did_not_start_is_refused_and_writes_not
         assert rank["foreign_folder_after"] == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
 
 
+def test_a_tag_whose_earlier_save_aborted_can_be_saved_again(outcomes):
+    assert [r["save_over_an_aborted_save"] for r in outcomes] == [None, None]
+
+
 @pytest.mark.parametrize("case", ["save_after_close", "wait_after_close"])
 def test_use_after_close_is_refused(outcomes, case):
     assert outcomes[0][case][0] == "CheckpointerClosedError"

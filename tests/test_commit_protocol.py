@@ -256,14 +256,29 @@ def test_gc_keeps_a_folder_made_since_under_the_name_of_a_deletion_cut_short(tmp
     _folder(tmp_path, "global_step100", start_mark=False, age_s=60)
     report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
     assert report.kept_foreign == ["global_step100"] and report.incomplete_tags == []
-    assert report.marker_dirs == [".async_ckpt/deleting/global_step100"] and not mark.exists()
+    assert report.bookkeeping == [".async_ckpt/deleting/global_step100"] and not mark.exists()
+
+
+class _DeletionEndsMeanwhile(LocalStorage):
+    """Local storage where a retention that was deleting ``old`` removes its mark just as gc looks at it."""
+
+    def modified(self, relpath):
+        if relpath == ".async_ckpt/deleting/old":
+            super().delete(relpath)
+        return super().modified(relpath)
+
+
+def test_gc_goes_on_when_a_deletion_mark_goes_while_it_looks(tmp_path):
+    (tmp_path / ".async_ckpt" / "deleting").mkdir(parents=True)
+    (tmp_path / ".async_ckpt" / "deleting" / "old").write_bytes(b"")
+    assert collect_garbage(_DeletionEndsMeanwhile(str(tmp_path)), grace_s=0).bookkeeping == []
 
 
 def test_gc_removes_a_deletion_mark_whose_deletion_ended(tmp_path):
     (tmp_path / ".async_ckpt" / "deleting").mkdir(parents=True)
     (tmp_path / ".async_ckpt" / "deleting" / "gone").write_bytes(b"")
     report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
-    assert report.marker_dirs == [".async_ckpt/deleting/gone"]
+    assert report.bookkeeping == [".async_ckpt/deleting/gone"]
     assert _every_file(tmp_path / ".async_ckpt") == []
 
 
@@ -370,6 +385,21 @@ def test_a_tag_a_peer_gave_up_on_after_rank_0_wrote_the_tokenizer_leaves_no_file
     handles, errors = _thread_save(str(tmp_path / "root"), 2, timeout_s=0.5, delay=held, extras_dir=str(extras))
     assert sorted(errors) == [0, 1] and "gave up waiting before rank 0 could commit" in str(errors[0])
     assert os.path.isdir(tmp_path / "root" / "t") and _every_file(tmp_path / "root" / "t") == []
+
+
+def test_when_rank_0s_tokenizer_write_fails_its_start_mark_stays_for_gc(tmp_path):
+    """The write cut short may have left what rank 0's cleanup cannot see; rank 1 removed its files and mark."""
+    extras = tmp_path / "extras"
+    extras.mkdir()
+    (extras / "tokenizer.json").write_text("{}")
+
+    def fail(rank, name, path):
+        if name == "open_write" and path.endswith("tokenizer.json"):
+            raise OSError(28, "No space left on device (injected)")
+        return 0.0
+    handles, errors = _thread_save(str(tmp_path / "root"), 2, timeout_s=30, delay=fail, extras_dir=str(extras))
+    assert sorted(errors) == [0, 1] and "tokenizer" in str(errors[1])
+    assert _every_file(tmp_path / "root" / "t") == [".async_ckpt/started-rank0"]
 
 
 def test_a_rank_whose_write_fails_fails_the_tag_on_every_rank_without_waiting(tmp_path):

@@ -152,6 +152,10 @@ def test_save_16bit_model_after_wrap_commits_a_consolidated_manifest(run):
     assert manifest.consolidated and [f.path for f in manifest.files] == ["pytorch_model.bin"]
 
 
+def test_save_16bit_model_writes_into_a_folder_holding_the_users_files_and_keeps_them(run):
+    assert run["export_folder"] == ["async_ckpt_manifest.json", "pytorch_model.bin", "tokenizer_config.json"]
+
+
 def test_save_16bit_model_may_overwrite_its_earlier_export_as_deepspeed_does(run):
     assert run["resaved_16bit"] is True and run["failures"] == []
 
