@@ -6,13 +6,13 @@ with one that cannot be read (a corrupt tag, which is never loaded),
 multipart uploads that were never completed or aborted (their parts are stored, and billed, until
 aborted). Anything younger than the grace period may belong to a save still in progress and is left alone.
 
-Only what async_ckpt wrote is touched. A folder without a manifest is a save of ours that died only
-if it holds a start mark (every rank writes one before its first file of a tag,
-:func:`async_ckpt.commit.mark_started`) or a deletion mark names it (a deletion cut short,
-:func:`async_ckpt.commit.delete_tag`); any other is kept and reported (``kept_foreign``): a
-checkpoint stock DeepSpeed wrote, say before the engine was wrapped, has no manifest either. So is
-the folder ``latest`` or ``latest_universal`` names, and every folder without a manifest while either
-file cannot be read. An upload is aborted only under a tag folder of ours (committed, corrupt or
+Only folders async_ckpt started are removed (whole). A folder without a manifest is a save of ours
+that died only if it holds a start mark (every rank writes one before its first file of a tag,
+:func:`async_ckpt.commit.mark_started`) or a deletion mark names it and none of its files is newer
+(a deletion cut short, :func:`async_ckpt.commit.delete_tag`): :func:`async_ckpt.catalog.started_here`.
+Any other is kept and reported (``kept_foreign``): a checkpoint stock DeepSpeed wrote, say before
+the engine was wrapped, has no manifest either. So is the folder ``latest`` or ``latest_universal``
+names, and every folder without a manifest while either file cannot be read. An upload is aborted only under a tag folder of ours (committed, corrupt or
 marked), so gc at a bucket's root leaves other writers' uploads alone.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from async_ckpt.catalog import inspect_latest, list_tags, started_here
 from async_ckpt.commit import delete_tag
-from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark, deletion_marks_folder
+from async_ckpt.layout import DELETION_MARKS, LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
@@ -83,7 +83,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     if unreadable:
         logger.warning("gc %s: %s; folders without a readable manifest are kept, as it may name one of them",
                        storage.url, "; ".join(unreadable))
-    deleting = set(storage.list_dir(deletion_marks_folder()))
+    deleting = set(storage.list_dir(DELETION_MARKS))
     ours, uncommitted = set(), set()  # ours: tag folders async_ckpt wrote: committed, corrupt or marked
     for info in list_tags(storage):
         if info.committed:

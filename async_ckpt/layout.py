@@ -65,6 +65,8 @@ def manifest_path(tag: str) -> str:
 
 
 _START_MARK = "started-rank"
+#: The root's folder of deletion marks (see :func:`deletion_mark`).
+DELETION_MARKS = f"{MARKER_DIR}/deleting"
 
 
 def start_mark(tag: str, rank: int) -> str:
@@ -82,11 +84,7 @@ def deletion_mark(tag: str) -> str:
     """The file written into the root's ``.async_ckpt/`` folder before a tag's deletion begins and removed
     once it ends: a deletion cut short (a crash; an object store deletes in batches, the start marks
     first) still leaves gc a sign that the rest of the folder is ours."""
-    return f"{MARKER_DIR}/deleting/{tag}"
-
-
-def deletion_marks_folder() -> str:
-    return f"{MARKER_DIR}/deleting"
+    return f"{DELETION_MARKS}/{tag}"
 
 
 def files_for_rank(paths: list[str], dp_rank: int, mp_rank: int | None = None) -> list[str]:
