@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from async_ckpt.errors import CorruptManifestError
@@ -65,6 +66,19 @@ def holds_files(storage: Storage, relpath: str) -> bool:
     return next(storage.iter_files(relpath), None) is not None
 
 
+def newest_mtime(storage: Storage, relpath: str) -> float:
+    """The newest time of anything under ``relpath``. A folder without files yet (a save that has
+    just begun) counts with its own time, or as new where the store keeps none: never as old."""
+    times = [storage.modified(p) for p in storage.iter_files(relpath)]
+    if times:
+        return max(times)
+    try:
+        created = storage.modified(relpath)
+    except (OSError, KeyError):
+        created = 0.0
+    return created if created > 0 else time.time()
+
+
 def started_here(storage: Storage, tag: str) -> bool:
     """Whether the folder ``tag`` (without a readable manifest) holds a save of async_ckpt's: a start mark,
     or a deletion mark names it and none of its files is newer than that mark (else the name was reused
@@ -75,7 +89,7 @@ def started_here(storage: Storage, tag: str) -> bool:
         deleting_since = storage.modified(deletion_mark(tag))
     except FileNotFoundError:
         return False
-    return max((storage.modified(path) for path in storage.iter_files(tag)), default=0.0) <= deleting_since
+    return newest_mtime(storage, tag) <= deleting_since
 
 
 def list_tags(storage: Storage) -> list[TagInfo]:

@@ -564,14 +564,17 @@ class AsyncCheckpointer:
         the commit, and a rank that raised before the collective would leave the others waiting in it.
         So does a failure of rank 0's checks of the storage.
         """
-        proposal, problem = None, None
+        proposal, problem, holding = None, None, []  # holding: the tiers with the tag's manifest (rank 0)
         room = room_for(self._local.local_dir(), estimate_save_bytes(self.engine, self.world_size,
                                                                      self._pool.allocated_bytes),
                         self.config.local_tier_max_bytes) if tiered else (True, "")
         if self.rank == 0:
             try:
                 held = storage.list_dir(tag)  # one request tells a committed tag from a new one
-                committed = MANIFEST in held or (tiered and self._local.exists(manifest_path(tag)))
+                holding = [tier for tier, has in ((storage, MANIFEST in held),
+                                                  (self._local, tiered and self._local.exists(manifest_path(tag))))
+                           if has]
+                committed = bool(holding)
                 redrain = self._drains_to_resume() if tiered and self._drain_failed else []
                 proposal = _Proposal(uuid.uuid4().hex, committed,
                                      committed and replace_export and _is_consolidated(storage, tag), redrain,
@@ -607,11 +610,9 @@ class AsyncCheckpointer:
         if committed and self.rank == 0:
             logger.warning("overwriting committed tag %s at %s: it is uncommitted until this save commits", tag,
                            storage.url)
-            for tier in (storage, self._local) if tiered else (storage,):
-                if tier.exists(manifest_path(tag)):
-                    # marked first: if the job dies before this save commits, gc knows the folder for ours
-                    commit.mark_started(tier, tag, 0, save_id)
-                    tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
+            for tier in holding:  # marked first: if the job dies before this save commits, gc knows it for ours
+                commit.mark_started(tier, tag, 0, save_id)
+                tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
         self._start_drains(redrain)
         full = [f"rank {r}: {v.room[1]}" for r, v in enumerate(views) if not v.room[0]]
         if full and self.rank == 0:

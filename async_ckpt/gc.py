@@ -12,8 +12,9 @@ that died only if it holds a start mark (every rank writes one before its first 
 (a deletion cut short, :func:`async_ckpt.commit.delete_tag`): :func:`async_ckpt.catalog.started_here`.
 Any other is kept and reported (``kept_foreign``): a checkpoint stock DeepSpeed wrote, say before
 the engine was wrapped, has no manifest either. So is the folder ``latest`` or ``latest_universal``
-names, and every folder without a manifest while either file cannot be read. An upload is aborted only under a tag folder of ours (committed, corrupt or
-marked), so gc at a bucket's root leaves other writers' uploads alone.
+names, and every folder without a manifest while either file cannot be read. An upload is aborted
+only under a tag folder of ours (committed, corrupt or marked), so gc at a bucket's root leaves other
+writers' uploads alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from async_ckpt.catalog import inspect_latest, list_tags, started_here
+from async_ckpt.catalog import inspect_latest, list_tags, newest_mtime, started_here
 from async_ckpt.commit import delete_tag
 from async_ckpt.layout import DELETION_MARKS, LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark
 from async_ckpt.storage.base import Storage
@@ -43,19 +44,6 @@ class GcReport:
     kept_uploads: list[str] = field(default_factory=list)  # uploads outside our tag folders: not ours
 
 
-def _newest_mtime(storage: Storage, relpath: str) -> float:
-    """The newest time of anything under ``relpath``. A folder without files yet (a save that has
-    just begun) counts with its own time, or as new where the store keeps none: never as old."""
-    times = [storage.modified(p) for p in storage.iter_files(relpath)]
-    if times:
-        return max(times)
-    try:
-        created = storage.modified(relpath)
-    except (OSError, KeyError):
-        created = 0.0
-    return created if created > 0 else time.time()
-
-
 def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcReport) -> None:
     """In a committed tag: ``.partial`` files and the bookkeeping folder older than ``cutoff``."""
     for path in storage.iter_files(tag):
@@ -64,7 +52,7 @@ def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcRepo
             if not report.dry_run:
                 storage.delete(path)
     markers = f"{tag}/{MARKER_DIR}"
-    if storage.is_dir(markers) and _newest_mtime(storage, markers) < cutoff:
+    if storage.is_dir(markers) and newest_mtime(storage, markers) < cutoff:
         report.bookkeeping.append(markers)
         if not report.dry_run:
             storage.delete(markers, recursive=True)
@@ -103,7 +91,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             logger.info("gc %s: %s has neither a manifest nor async_ckpt's start mark: kept, as async_ckpt did not "
                         "start it (a checkpoint stock DeepSpeed wrote?); remove it yourself if it is garbage",
                         storage.url, info.tag)
-        elif _newest_mtime(storage, info.tag) < cutoff:
+        elif newest_mtime(storage, info.tag) < cutoff:
             (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
             if not dry_run:
                 delete_tag(storage, info.tag)
