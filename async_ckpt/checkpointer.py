@@ -156,7 +156,7 @@ class AsyncCheckpointer:
             # nothing of a wrap() that failed outlives it: its threads, memory, storage clients and folder
             if self._writer is not None:
                 self._writer.stop()  # idle: no save was queued
-                self._writer.join(self.config.wait_timeout_s)
+                self._writer.join(self.config.effective_wait_timeout_s)
             self._release()
             raise
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
@@ -223,7 +223,7 @@ class AsyncCheckpointer:
         most ``timeout`` seconds (default ``wait_timeout_s``), then raises :class:`WaitTimeoutError`.
         """
         self._ensure_open()
-        self._await_handles(self.config.wait_timeout_s if timeout is None else timeout)
+        self._await_handles(self.config.effective_wait_timeout_s if timeout is None else timeout)
         self._surface_errors()
 
     def save_consolidated(self, tag: str | None = None, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -279,7 +279,7 @@ class AsyncCheckpointer:
         """
         self._ensure_open()
         if self._local is not None and not self._loads_universal():
-            self._await_handles(self.config.wait_timeout_s, local_only=True)  # drains go on meanwhile
+            self._await_handles(self.config.effective_wait_timeout_s, local_only=True)  # drains go on meanwhile
             self._surface_errors()
             return self._load_tiered(None if tag is None else validate_tag(tag), fallback=fallback,
                                      load_optimizer_states=load_optimizer_states,
@@ -421,12 +421,12 @@ class AsyncCheckpointer:
         try:
             self._writer.stop()  # first: it ends after the queued saves, even if a wait below gives up
             self._await_staging()
-            self._await_handles(self.config.wait_timeout_s)
+            self._await_handles(self.config.effective_wait_timeout_s)
             self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
-                          "the background writer thread to stop", self.config.wait_timeout_s)
+                          "the background writer thread to stop", self.config.effective_wait_timeout_s)
             if self._drainer is not None:  # every drain has ended: every rank holds the same failures
                 self._handles.extend(self._drainer.retry_failed())
-                self._await_handles(self.config.wait_timeout_s)
+                self._await_handles(self.config.effective_wait_timeout_s)
         finally:
             self._release()
         self._surface_errors()
@@ -436,10 +436,10 @@ class AsyncCheckpointer:
         of :meth:`close`, and of a ``wrap()`` that failed part-way (whatever it had started)."""
         if self._drainer is not None:
             self._drainer.stop()
-            if not self._drainer.join(self.config.wait_timeout_s):
+            if not self._drainer.join(self.config.effective_wait_timeout_s):
                 logger.warning("rank %d: the drainer thread did not stop within %.0f s; a drain to %s may still "
                                "be running, and fails once its storage is closed", self.rank,
-                               self.config.wait_timeout_s, self.config.url)
+                               self.config.effective_wait_timeout_s, self.config.url)
         self._closed = True
         inflight.unregister(self)
         self._pool.close()
@@ -538,7 +538,7 @@ class AsyncCheckpointer:
         waiting = time.perf_counter()
         try:
             self._writer.submit(job)
-            self._bounded(handle.wait, tag, "the save to commit (synchronous)", self.config.wait_timeout_s)
+            self._bounded(handle.wait, tag, "the save to commit (synchronous)", self.config.effective_wait_timeout_s)
         except BaseException:
             if job.abandon_reads():
                 logger.error("rank %d: tag %s is written from the training state in place and training goes "
@@ -835,7 +835,7 @@ class AsyncCheckpointer:
             return 0.0
         started = time.perf_counter()
         self._bounded(job.buffers_free.wait, job.tag, "the previous save to finish writing (save() reuses its "
-                      "staging buffers)", self.config.wait_timeout_s)
+                      "staging buffers)", self.config.effective_wait_timeout_s)
         waited = time.perf_counter() - started
         logger.warning("save() waited %.2f s for the previous save (%s) to finish writing; saves are more "
                        "frequent than storage can absorb", waited, job.tag)

@@ -68,6 +68,7 @@ class CheckpointConfig:
             ``None`` (the default): 4000 s, or ``2 * commit_timeout_s + 400`` where that is longer,
             so that a wait outlasts a commit that times out (rank 0 waits ``commit_timeout_s`` for
             every rank's files, the others up to twice that) when ``commit_timeout_s`` is raised.
+            The field stays ``None``; :attr:`effective_wait_timeout_s` gives the value in force.
         part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum). A file
             past 1000 parts (16 GiB at the default) doubles it after every 1000 parts, and with it
             the upload's memory, so that S3's 10,000 parts reach its 5 TiB object limit (from 16 MiB).
@@ -160,10 +161,8 @@ class CheckpointConfig:
         if self.on_error not in ("warn", "raise"):
             raise ConfigError(f"on_error must be 'warn' or 'raise', got {self.on_error!r}")
         _number("commit_timeout_s", self.commit_timeout_s, minimum=0, exclusive=True)
-        if self.wait_timeout_s is None:
-            object.__setattr__(self, "wait_timeout_s", min(_LONGEST_S, max(
-                _SHORTEST_DEFAULT_WAIT_S, 2 * float(self.commit_timeout_s) + _WAIT_MARGIN_S)))
-        _number("wait_timeout_s", self.wait_timeout_s, minimum=0, exclusive=True)
+        if self.wait_timeout_s is not None:
+            _number("wait_timeout_s", self.wait_timeout_s, minimum=0, exclusive=True)
         if _integer("part_size", self.part_size) < 5 * MiB:
             raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
         _integer("max_concurrency", self.max_concurrency, 1, 256)
@@ -196,6 +195,18 @@ class CheckpointConfig:
         if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir):
             raise ConfigError(f"cache_dir must be a folder path, got {self.cache_dir!r}")
 
+
+    @property
+    def effective_wait_timeout_s(self) -> float:
+        """``wait_timeout_s``, or where it is unset its default from ``commit_timeout_s``.
+
+        Derived on each read rather than stored at construction, so that a copy made with
+        ``dataclasses.replace(config, commit_timeout_s=...)`` gets the default of its own
+        ``commit_timeout_s``, not the original's.
+        """
+        if self.wait_timeout_s is not None:
+            return float(self.wait_timeout_s)
+        return min(_LONGEST_S, max(_SHORTEST_DEFAULT_WAIT_S, 2 * float(self.commit_timeout_s) + _WAIT_MARGIN_S))
 
     def _check_local_tier(self) -> None:
         """A local folder apart from ``url``: the tiers keep manifests and ``latest`` of their own."""

@@ -102,7 +102,7 @@ def _wait_at_exit() -> None:
             if not pending:
                 continue
             logger.info("rank %d: the process is exiting with saves in flight; waiting for their commit (at most "
-                        "%.0f s): %s", checkpointer.rank, checkpointer.config.wait_timeout_s, ", ".join(pending))
+                        "%.0f s): %s", checkpointer.rank, checkpointer.config.effective_wait_timeout_s, ", ".join(pending))
             try:
                 checkpointer.wait()
             except Exception as exc:  # raised with on_error="raise", or WaitTimeoutError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -165,16 +166,21 @@ def test_an_option_that_needs_another_is_refused_without_it(kwargs, needed):
 
 
 def test_wait_timeout_outlasts_a_raised_commit_timeout_by_default():
-    assert CheckpointConfig(url="x").wait_timeout_s == 4000
-    assert CheckpointConfig(url="x", commit_timeout_s=3000).wait_timeout_s > 2 * 3000
+    assert CheckpointConfig(url="x").effective_wait_timeout_s == 4000
+    assert CheckpointConfig(url="x", commit_timeout_s=3000).effective_wait_timeout_s > 2 * 3000
 
 
 def test_a_lowered_commit_timeout_leaves_the_default_wait_timeout():
-    assert CheckpointConfig(url="x", commit_timeout_s=60).wait_timeout_s == 4000
+    assert CheckpointConfig(url="x", commit_timeout_s=60).effective_wait_timeout_s == 4000
 
 
 def test_an_explicit_wait_timeout_is_kept():
-    assert CheckpointConfig(url="x", commit_timeout_s=3000, wait_timeout_s=2).wait_timeout_s == 2
+    assert CheckpointConfig(url="x", commit_timeout_s=3000, wait_timeout_s=2).effective_wait_timeout_s == 2
+
+
+def test_a_copy_with_a_raised_commit_timeout_gets_its_own_default_wait_timeout():
+    copy = dataclasses.replace(CheckpointConfig(url="x"), commit_timeout_s=3000)
+    assert copy.wait_timeout_s is None and copy.effective_wait_timeout_s > 2 * 3000
 
 
 def test_errors_share_one_base_class():
