@@ -46,8 +46,8 @@ from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, r
 from async_ckpt.serialization import in_place
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
-from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, log_tier, nodes_from,
-                              room_for, undrained)
+from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, local_copy_matches,
+                              log_tier, nodes_from, room_for, undrained)
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
 
 logger = logging.getLogger("async_ckpt")
@@ -365,8 +365,9 @@ class AsyncCheckpointer:
                                               f"{self.storage.url}: {why}")
             problem, load_dir, manifest, source = None, None, None, ""
             try:
-                load_dir, manifest, source = self._nearest_copy(chosen, chosen in local_views[self.rank],
-                                                                chosen in durable_view, dp_rank, mp_rank)
+                in_local = local_copy_matches(chosen, local_views[self.rank], local_views, durable_view)
+                load_dir, manifest, source = self._nearest_copy(chosen, in_local, chosen in durable_view,
+                                                                dp_rank, mp_rank)
             except (VerificationError, CheckpointNotFoundError, StorageError, OSError) as exc:
                 problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             problems = [p for p in self._gather(problem) if p]
@@ -384,7 +385,7 @@ class AsyncCheckpointer:
     def _nearest_copy(self, tag: str, in_local: bool, in_durable: bool, dp_rank: int,
                       mp_rank: int) -> tuple[str, Manifest, str]:
         """``(folder to load from, manifest, where)`` of the first tier holding this rank's files intact."""
-        why = "not committed in this node's local tier"
+        why = "this node's local tier does not hold this save of it committed"
         if in_local:
             manifest = read_manifest(self._local, tag)
             try:

@@ -117,13 +117,15 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
     """The tag every rank can read from some tier: ``tag`` if given, else the newest such tag.
 
     ``local_views[r]`` is what rank r's node folder holds committed; a tag committed at the URL is
-    readable by every rank. Tags saved with ``save_latest=False`` are taken only when named, as
+    readable by every rank, one held only in node folders where every node holds the same save of it
+    (see :func:`local_copy_matches`). Tags saved with ``save_latest=False`` are taken only when named, as
     without tiers. ``older_than`` (a tag that could not be read, for ``load(fallback=True)``): instead,
     the newest such tag committed before it at no higher step, whether or not it moved ``latest``, as
     :func:`~async_ckpt.resume.older_committed` chooses without tiers. Returns ``(tag, None-or-why
     not)``; the tag is ``None`` when there is none.
     """
     shared_local = set.intersection(*(set(v) for v in local_views)) if local_views else set()
+    shared_local = {t for t in shared_local if len({v[t][3] for v in local_views}) == 1}  # one save on every node
     readable = {t: durable_view.get(t) or local_views[0][t] for t in set(durable_view) | shared_local}
     if older_than is not None:
         limit = _recency(readable[older_than])
@@ -140,6 +142,17 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
     if not candidates:
         return None, "no tag is committed at the durable URL or in every node's local tier"
     return candidates[0][2], ""
+
+
+def local_copy_matches(tag: str, local_view: dict[str, Any], local_views: list[dict[str, Any]],
+                       durable_view: dict[str, Any]) -> bool:
+    """Whether this node's folder holds the save of ``tag`` that :func:`choose_tag` chose: the one at
+    the URL where the URL holds it, else the one every node holds. A node folder can hold an older save
+    of the tag, one that an ``overwrite_tags`` save replaced at the URL without writing to that node
+    (its local tier was full, or rank 0 cannot see other nodes' folders to uncommit them); reading it
+    would mix two saves' files across the ranks."""
+    chosen = durable_view.get(tag) or local_views[0].get(tag)
+    return tag in local_view and chosen is not None and local_view[tag][3] == chosen[3]
 
 
 def prune_local(local: Storage, durable: Storage, keep: int) -> list[str]:

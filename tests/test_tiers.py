@@ -16,7 +16,7 @@ from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.handle import SaveHandle
 from async_ckpt.launch import RankError
 from async_ckpt.storage import open_storage
-from async_ckpt.tiers import choose_tag, prune_local, undrained
+from async_ckpt.tiers import choose_tag, local_copy_matches, prune_local, undrained
 from manifests import commit_by_hand
 from s3_server import FaultProxy, options
 
@@ -180,6 +180,32 @@ def test_a_failed_drain_is_redone_by_close_or_by_the_next_save(healed):
     assert read_latest(durable) == ("second" if healed["by"] == "save" else "first")
 
 
+def test_a_node_leader_that_cannot_commit_on_its_node_keeps_its_mark_for_gc(ranks, tmp_path):
+    out = ranks.run(tier_tasks.node_commit_fails_on_node1, str(tmp_path / "durable"), str(tmp_path))
+    assert out[0]["node_manifest"] is True and out[0]["marks"] == [] and out[0]["node_gc"] == []
+    assert out[1]["node_manifest"] is False and out[1]["marks"] == ["started-rank1"]
+    assert out[1]["node_gc"] == ["t"]
+    assert any("could not commit it on its node's tier" in line for line in out[1]["local_warnings"])
+
+
+def test_a_failed_overwrite_leaves_a_start_mark_in_every_tier_that_held_the_tag(ranks, tmp_path):
+    out = ranks.run(tier_tasks.failing_overwrite_in_tiers, str(tmp_path / "durable"), str(tmp_path))
+    for rank in out:
+        assert "No space left" in rank["error"]
+        assert rank["durable_marks"] == ["started-rank0", "started-rank1"]
+    # the save wrote nothing to node 0's folder, yet rank 0 marked its copy there before uncommitting it
+    assert out[0]["node_manifest"] is False and out[0]["node_marks"] == ["started-rank0"]
+
+
+def test_a_rank_whose_node_holds_an_older_save_of_a_tag_resumes_it_from_the_url(ranks, tmp_path):
+    out = ranks.run(tier_tasks.overwrite_past_a_full_local_tier_then_resume, str(tmp_path / "durable"),
+                    str(tmp_path))
+    assert out[1]["node_holds_t"] is True  # the first save of 't', on the node rank 0 cannot see
+    for rank in out:
+        assert rank["as_saved"] is True
+        assert len(rank["tiers_used"]) == 1 and "from the durable tier" in rank["tiers_used"][0]
+
+
 @pytest.fixture(scope="module")
 def fell_back(ranks, tmp_path_factory):
     work = tmp_path_factory.mktemp("fallback")
@@ -303,3 +329,19 @@ def test_a_fallback_takes_the_newest_readable_tag_older_than_the_one_that_failed
     assert choose_tag(None, [dict(view), {"old": view["old"], "new": view["new"]}], {}, older_than="new") == ("old", "")
     tag, why = choose_tag(None, [dict(view), dict(view)], {}, older_than="old")
     assert tag is None and "no tag older than 'old'" in why
+
+
+def test_a_tag_the_nodes_hold_from_different_saves_is_not_readable_from_the_node_folders():
+    first, second = (1, 1.0, True, "save-1"), (1, 2.0, True, "save-2")
+    assert choose_tag(None, [{"t": first}, {"t": second}], {}) == (None, "no tag is committed at the durable URL "
+                                                                         "or in every node's local tier")
+    assert choose_tag(None, [{"t": second}, {"t": first}], {"t": second}) == ("t", "")
+
+
+def test_a_rank_reads_its_node_copy_of_a_tag_only_if_it_is_the_save_the_url_holds():
+    first, second = (1, 1.0, True, "save-1"), (1, 2.0, True, "save-2")
+    views = [{"t": second}, {"t": first}]
+    assert local_copy_matches("t", views[0], views, {"t": second}) is True
+    assert local_copy_matches("t", views[1], views, {"t": second}) is False
+    assert local_copy_matches("t", views[1], [views[1], views[1]], {}) is True
+    assert local_copy_matches("t", {}, views, {"t": second}) is False

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 import async_ckpt
@@ -206,3 +207,67 @@ def fallback_in_tiers(durable: str, work: str) -> dict:
         corrupt("newer")  # flipped back: whole again
         out["newer_repaired"] = ckpt.load(fallback=True)[0]
     return out
+
+
+def node_commit_fails_on_node1(durable: str, work: str) -> dict:
+    """Node 1's folder holds a directory where DeepSpeed's ``zero_to_fp32.py`` goes, so its leader (rank 1)
+    cannot commit tag 't' there, while rank 0's commit of 't' holds."""
+    if _rank() == 1:
+        os.makedirs(os.path.join(node_folder(work, 1), "zero_to_fp32.py"))
+    engine = workload.make_engine(STAGE, "fp32", seed=12)
+    workload.train(engine, 1, workload.token_stream(), _rank())
+    with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank())) as ckpt:
+        handle = ckpt.save(tag="t")
+        handle.result(timeout=120)
+    dist.barrier()
+    node = node_folder(work, _rank())
+    marks = os.path.join(node, "t", ".async_ckpt")
+    return {"local_warnings": list(handle.local_result().warnings), "marks": sorted(os.listdir(marks)) if os.path.isdir(marks) else [],
+            "node_manifest": os.path.exists(os.path.join(node, "t", "async_ckpt_manifest.json")),
+            "node_gc": collect_garbage(open_storage(node), grace_s=0, dry_run=True).incomplete_tags}
+
+
+def failing_overwrite_in_tiers(durable: str, work: str) -> dict:
+    """Tag 't' committed in both tiers; an overwrite of it with no room on the local tier goes straight to
+    the durable tier, where rank 1's write fails. (gc keeps 't' in both for now: ``latest`` names it.)"""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(STAGE, "fp32", seed=13)
+    workload.train(engine, 1, workload.token_stream(), _rank())
+    node = node_folder(work, _rank())
+    with async_ckpt.wrap(engine, durable, local_tier=node) as ckpt:
+        ckpt.save(tag="t").result(timeout=120)
+    faults = {"fail_ranks": [1], "skip_instance_cache": True}
+    with async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=faults, local_tier=node,
+                         local_tier_max_bytes=1, overwrite_tags=True) as ckpt:
+        error = ckpt.save(tag="t").exception(timeout=120)
+    dist.barrier()
+    return {"error": str(error),
+            "node_manifest": os.path.exists(os.path.join(node, "t", "async_ckpt_manifest.json")),
+            "node_marks": sorted(os.listdir(os.path.join(node, "t", ".async_ckpt"))),
+            "durable_marks": sorted(os.listdir(os.path.join(durable, "t", ".async_ckpt")))}
+
+
+def overwrite_past_a_full_local_tier_then_resume(durable: str, work: str) -> dict:
+    """Tag 't' saved in tiers; after two more steps an overwrite of it, with no room on the local tier,
+    goes straight to the durable tier, so node 1 still holds the first save of 't' committed (rank 0
+    uncommits only its own node's copy). A new job then loads 't'."""
+    logging.getLogger("async_ckpt").setLevel(logging.INFO)
+    tokens = workload.token_stream()
+    engine = workload.make_engine(STAGE, "fp32", seed=14)
+    workload.train(engine, 1, tokens, _rank())
+    node = node_folder(work, _rank())
+    with async_ckpt.wrap(engine, durable, local_tier=node) as ckpt:
+        ckpt.save(tag="t").result(timeout=120)
+    workload.train(engine, 2, tokens, _rank())
+    saved = [part.detach().clone() for part in engine.optimizer.single_partition_of_fp32_groups]
+    with async_ckpt.wrap(engine, durable, local_tier=node, local_tier_max_bytes=1, overwrite_tags=True) as ckpt:
+        ckpt.save(tag="t").result(timeout=120)
+    workload.train(engine, 2, tokens, _rank())
+    with async_ckpt_log() as log, async_ckpt.wrap(engine, durable, local_tier=node) as ckpt:
+        ckpt.load(tag="t")
+    loaded = engine.optimizer.single_partition_of_fp32_groups
+    return {"as_saved": all(torch.equal(a, b) for a, b in zip(saved, loaded)),
+            "node_holds_t": os.path.exists(os.path.join(node, "t", "async_ckpt_manifest.json")),
+            "tiers_used": [line for line in log if "resumes t from" in line]}
