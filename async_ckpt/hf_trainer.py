@@ -60,9 +60,11 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 
+from async_ckpt.catalog import holds_files
 from async_ckpt.checkpointer import AsyncCheckpointer, wrap
 from async_ckpt.errors import UsageError
 from async_ckpt.layout import LATEST, MANIFEST
+from async_ckpt.storage import open_storage
 
 logger = logging.getLogger("async_ckpt")
 
@@ -226,5 +228,4 @@ def _saved_tag(folder: str) -> str | None:
     """The tag ``folder/latest`` names if its folder holds files: committed by async_ckpt, or written by
     stock DeepSpeed (say, by a run before this one). A save of that tag refuses either."""
     tag = _latest_tag(folder)
-    path = os.path.join(folder, tag) if tag else None
-    return tag if path and os.path.isdir(path) and os.listdir(path) else None
+    return tag if tag and os.path.isdir(os.path.join(folder, tag)) and holds_files(open_storage(folder), tag) else None

@@ -18,7 +18,7 @@ import pytest
 import hf_tasks
 from async_ckpt import UsageError
 from async_ckpt.cli import main as cli_main
-from async_ckpt.hf_trainer import enable, last_committed_checkpoint
+from async_ckpt.hf_trainer import _saved_tag, enable, last_committed_checkpoint
 
 STAGES = [2, 3]
 
@@ -178,3 +178,11 @@ def test_enable_refuses_hub_uploads_of_unwritten_checkpoint_folders(cpu_trainer,
     monkeypatch.setattr(cpu_trainer.args, "hub_strategy", "checkpoint")
     with pytest.raises(UsageError, match="hub_strategy='every_save'"):
         enable(cpu_trainer)
+
+
+def test_a_tag_folder_that_an_aborted_save_left_without_files_is_no_saved_checkpoint(tmp_path):
+    (tmp_path / "global_step9" / ".async_ckpt").mkdir(parents=True)  # what an abort leaves on a local root
+    (tmp_path / "latest").write_text("global_step9")
+    assert _saved_tag(str(tmp_path)) is None
+    (tmp_path / "global_step9" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    assert _saved_tag(str(tmp_path)) == "global_step9"
