@@ -46,7 +46,7 @@ from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, r
 from async_ckpt.serialization import in_place
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
-from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, local_copy_matches,
+from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, holds_chosen_save,
                               log_tier, nodes_from, room_for, undrained)
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
 
@@ -365,9 +365,8 @@ class AsyncCheckpointer:
                                               f"{self.storage.url}: {why}")
             problem, load_dir, manifest, source = None, None, None, ""
             try:
-                in_local = local_copy_matches(chosen, local_views[self.rank], local_views, durable_view)
-                load_dir, manifest, source = self._nearest_copy(chosen, in_local, chosen in durable_view,
-                                                                dp_rank, mp_rank)
+                in_local, in_durable = holds_chosen_save(chosen, local_views[self.rank], local_views, durable_view)
+                load_dir, manifest, source = self._nearest_copy(chosen, in_local, in_durable, dp_rank, mp_rank)
             except (VerificationError, CheckpointNotFoundError, StorageError, OSError) as exc:
                 problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             problems = [p for p in self._gather(problem) if p]
@@ -398,7 +397,7 @@ class AsyncCheckpointer:
             except (VerificationError, CheckpointNotFoundError) as exc:
                 why = str(exc)
         if not in_durable:
-            raise CheckpointNotFoundError(f"tag {tag!r}: {why}, and it is not committed at {self.storage.url}")
+            raise CheckpointNotFoundError(f"tag {tag!r}: {why}, and {self.storage.url} does not hold this save of it committed")
         manifest = read_manifest(self.storage, tag)
         if manifest is None:
             raise CheckpointNotFoundError(f"tag {tag!r} is no longer committed at {self.storage.url}")
@@ -565,6 +564,7 @@ class AsyncCheckpointer:
         the commit, and a rank that raised before the collective would leave the others waiting in it.
         So does a failure of rank 0's checks of the storage.
         """
+        self._await_saves_of(tag)
         proposal, problem, holding = None, None, []  # holding: the tiers with the tag's manifest (rank 0)
         room = room_for(self._local.local_dir(), estimate_save_bytes(self.engine, self.world_size,
                                                                      self._pool.allocated_bytes),
@@ -598,13 +598,16 @@ class AsyncCheckpointer:
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
         save_id, committed, replaceable, redrain, foreign = views[0].proposal  # type: ignore[misc]
+        overwrites = committed and (replaceable or self.config.overwrite_tags)
+        # before a refusal below could drop them; not the earlier save of a tag this save overwrites
+        self._start_drains(redrain, skip=tag if overwrites else None)
         if foreign and not self.config.overwrite_tags:
             raise TagExistsError(f"folder {tag!r} at {storage.url} holds files but neither a manifest nor a start "
                                  "mark of async_ckpt: a checkpoint something else wrote (stock DeepSpeed?), or a "
                                  "save of an async_ckpt older than start marks that died. Saving into it would mix "
                                  "two checkpoints' files. Use a new tag, or move that folder away (overwrite_tags=True "
                                  "writes into it, as DeepSpeed would)")
-        if committed and not (replaceable or self.config.overwrite_tags):
+        if committed and not overwrites:
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "
                                  "overwrite_tags=True to wrap() for DeepSpeed's overwrite semantics")
@@ -614,7 +617,6 @@ class AsyncCheckpointer:
             for tier in holding:  # marked first: if the job dies before this save commits, gc knows it for ours
                 commit.mark_started(tier, tag, 0, save_id)
                 tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
-        self._start_drains(redrain)
         full = [f"rank {r}: {v.room[1]}" for r, v in enumerate(views) if not v.room[0]]
         if full and self.rank == 0:
             logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,
@@ -732,9 +734,14 @@ class AsyncCheckpointer:
                            self.storage.url, ", ".join(m.tag for m in pending))
         return [(uuid.uuid4().hex, m.to_json().decode()) for m in pending]
 
-    def _start_drains(self, drains: list[tuple[str, str]]) -> None:
+    def _start_drains(self, drains: list[tuple[str, str]], skip: str | None = None) -> None:
+        """Drain again the tags :meth:`_drains_to_resume` found, except ``skip`` (a tag being overwritten)."""
         for drain_id, raw in drains:
             manifest = Manifest.from_json(raw)
+            if manifest.tag == skip:
+                logger.info("rank %d: not draining the earlier save of %s again: this save overwrites it",
+                            self.rank, skip)
+                continue
             handle = SaveHandle(tag=manifest.tag, url=self.storage.url)
             handle._commit_local(SaveResult(tag=manifest.tag, url=self._local.url, bytes_written=manifest.total_bytes,
                                             stall_s=0.0, persist_s=0.0, commit_s=0.0))
@@ -851,6 +858,17 @@ class AsyncCheckpointer:
 
     def _forget_ended_handles(self) -> None:
         self._handles = [h for h in self._handles if not h.done()]
+
+    def _await_saves_of(self, tag: str) -> None:
+        """Let this rank's earlier saves of ``tag`` settle (committed, drained to the URL, or failed)
+        before a new save of it is agreed. Else the earlier save's commit, or its drain's commit at the
+        URL, could land after rank 0 found the tag uncommitted, and the new save would write into a
+        committed tag without uncommitting it (a crash midway would then leave that manifest over
+        mixed files)."""
+        deadline = time.monotonic() + self.config.effective_wait_timeout_s
+        for handle in [h for h in self._handles if h.tag == tag and not h.done()]:
+            self._bounded(handle.wait, tag, "the earlier save of the same tag to commit",
+                          max(0.0, deadline - time.monotonic()))
 
     def _await_handles(self, timeout_s: float, *, local_only: bool = False) -> None:
         """Every save so far committed (durably, or with ``local_only`` on its first tier) or failed,

@@ -195,7 +195,6 @@ class CheckpointConfig:
         if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir):
             raise ConfigError(f"cache_dir must be a folder path, got {self.cache_dir!r}")
 
-
     @property
     def effective_wait_timeout_s(self) -> float:
         """``wait_timeout_s``, or where it is unset its default from ``commit_timeout_s``.

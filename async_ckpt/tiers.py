@@ -14,9 +14,10 @@ node's folder. So that a node's folder holds every file its ranks read on a rest
 each node also writes DeepSpeed's model-states file there, as DeepSpeed's own
 ``use_node_local_storage`` does; the manifest lists that path once and the drain uploads rank 0's copy.
 
-Restart (:func:`choose_tag`): the newest tag that every rank can read from some tier: from its
-node's folder if the tag is committed there, else from the durable URL. Each rank then reads from
-the nearest tier that holds its files intact (verified) and logs which one it used.
+Restart (:func:`choose_tag`): the newest tag that every rank can read from some tier: committed at
+the durable URL, or committed in every node's folder from one save (:func:`readable_saves`). Each
+rank then reads that save from the nearest tier that holds it with its files intact (verified),
+never another save of the tag, and logs which tier it used.
 
 Retention: ``local_keep_last`` tags stay in a node's folder; an older one is deleted only once its
 drain committed it at the URL (the same save), so the local tier never holds the only copy of a tag
@@ -112,21 +113,49 @@ def _recency(view: tuple[int, float, bool, str]) -> tuple[float, int]:
     return view[1], view[0]
 
 
+def readable_saves(local_views: list[dict[str, Any]], durable_view: dict[str, Any]) -> dict[str, Any]:
+    """``tag -> view`` of the save of each tag that every rank can read: the one committed at the URL,
+    or the one every node holds committed (one save on every node), the newer where there are both.
+
+    A node folder can hold another save of a tag than the URL: an older one, where an
+    ``overwrite_tags`` save went straight to the URL (its local tier was full) and rank 0 cannot see
+    other nodes' folders to uncommit them; or a newer one, where the drain of an earlier save of the
+    tag committed at the URL after the overwrite began. Reading one rank's files from one save and
+    another's from the other would mix two checkpoints, so a restart reads one save only.
+    """
+    shared = set.intersection(*(set(v) for v in local_views)) if local_views else set()
+    on_nodes = {t: local_views[0][t] for t in shared if len({v[t][3] for v in local_views}) == 1}
+    readable = dict(durable_view)
+    for t, view in on_nodes.items():
+        if t not in readable or _recency(view) > _recency(readable[t]):
+            readable[t] = view
+    return readable
+
+
+def holds_chosen_save(tag: str, local_view: dict[str, Any], local_views: list[dict[str, Any]],
+                      durable_view: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether this node's folder (``local_view``) and the URL hold the save of ``tag`` that
+    :func:`readable_saves` gives: the tiers a rank may read it from."""
+    chosen = readable_saves(local_views, durable_view).get(tag)
+    if chosen is None:
+        return False, False
+    return (tag in local_view and local_view[tag][3] == chosen[3],
+            tag in durable_view and durable_view[tag][3] == chosen[3])
+
+
 def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view: dict[str, Any], *,
                older_than: str | None = None) -> tuple[str | None, str]:
-    """The tag every rank can read from some tier: ``tag`` if given, else the newest such tag.
+    """The tag every rank can read from some tier (:func:`readable_saves`): ``tag`` if given, else the
+    newest such tag.
 
-    ``local_views[r]`` is what rank r's node folder holds committed; a tag committed at the URL is
-    readable by every rank, one held only in node folders where every node holds the same save of it
-    (see :func:`local_copy_matches`). Tags saved with ``save_latest=False`` are taken only when named, as
+    ``local_views[r]`` is what rank r's node folder holds committed (``tag -> (step, created,
+    sets_latest, save_id)``). Tags saved with ``save_latest=False`` are taken only when named, as
     without tiers. ``older_than`` (a tag that could not be read, for ``load(fallback=True)``): instead,
     the newest such tag committed before it at no higher step, whether or not it moved ``latest``, as
     :func:`~async_ckpt.resume.older_committed` chooses without tiers. Returns ``(tag, None-or-why
     not)``; the tag is ``None`` when there is none.
     """
-    shared_local = set.intersection(*(set(v) for v in local_views)) if local_views else set()
-    shared_local = {t for t in shared_local if len({v[t][3] for v in local_views}) == 1}  # one save on every node
-    readable = {t: durable_view.get(t) or local_views[0][t] for t in set(durable_view) | shared_local}
+    readable = readable_saves(local_views, durable_view)
     if older_than is not None:
         limit = _recency(readable[older_than])
         older = sorted((*_recency(v), t) for t, v in readable.items() if earlier_in_run(_recency(v), limit))
@@ -135,6 +164,9 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
         if tag in readable:
             return tag, ""
         holders = [r for r, v in enumerate(local_views) if tag in v]
+        if holders and len(holders) == len(local_views):
+            return None, (f"tag {tag!r} is not committed at the durable URL, and the nodes' local tiers hold "
+                          "different saves of it (an overwrite that did not reach every node)")
         return None, (f"tag {tag!r} is not committed at the durable URL, and only rank(s) {holders} hold it "
                       "committed in their node's local tier" if holders else
                       f"tag {tag!r} is committed in no tier")
@@ -144,25 +176,16 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
     return candidates[0][2], ""
 
 
-def local_copy_matches(tag: str, local_view: dict[str, Any], local_views: list[dict[str, Any]],
-                       durable_view: dict[str, Any]) -> bool:
-    """Whether this node's folder holds the save of ``tag`` that :func:`choose_tag` chose: the one at
-    the URL where the URL holds it, else the one every node holds. A node folder can hold an older save
-    of the tag, one that an ``overwrite_tags`` save replaced at the URL without writing to that node
-    (its local tier was full, or rank 0 cannot see other nodes' folders to uncommit them); reading it
-    would mix two saves' files across the ranks."""
-    chosen = durable_view.get(tag) or local_views[0].get(tag)
-    return tag in local_view and chosen is not None and local_view[tag][3] == chosen[3]
-
-
 def prune_local(local: Storage, durable: Storage, keep: int) -> list[str]:
-    """Delete a node folder's oldest tags beyond ``keep``, only those the durable tier holds committed
-    from the same save (never the only copy of a tag, never the one ``latest`` names)."""
+    """Delete a node folder's oldest tags beyond ``keep`` that the durable tier holds committed from the
+    same save, and any tag it holds from a later save: a copy an overwrite left on this node, which
+    restarts never read (:func:`readable_saves`) and which would fill the folder. Never the only copy
+    of a save, never the tag ``latest`` names."""
     committed = [info for info in list_tags(local)
                  if info.committed and not info.manifest.universal and not info.manifest.consolidated]
     latest = read_latest(local)
     deleted = []
-    for info in committed[:-keep] if len(committed) > keep else []:
+    for index, info in enumerate(committed):
         if info.tag == latest:
             continue
         try:
@@ -170,10 +193,17 @@ def prune_local(local: Storage, durable: Storage, keep: int) -> list[str]:
         except Exception as exc:  # a corrupt or unreadable durable copy is no copy
             logger.debug("local retention keeps %s: its durable manifest cannot be read (%s)", info.tag, exc)
             continue
-        if durable_manifest is None or durable_manifest.save_id != info.manifest.save_id:
+        if durable_manifest is None:
             continue
-        logger.info("local retention: deleting %s from %s (durable at %s; local_keep_last=%d)", info.tag, local.url,
-                    durable.url, keep)
+        if durable_manifest.save_id == info.manifest.save_id:
+            if index >= len(committed) - keep:
+                continue
+            why = f"durable at {durable.url}; local_keep_last={keep}"
+        elif durable_manifest.recency > info.manifest.recency:
+            why = f"{durable.url} holds a later save of it"
+        else:
+            continue
+        logger.info("local retention: deleting %s from %s (%s)", info.tag, local.url, why)
         delete_tag(local, info.tag)
         deleted.append(info.tag)
     return deleted

@@ -63,7 +63,7 @@ def render() -> str:
                                             "local_result"])
     lines += _class(async_ckpt.SaveResult, ["persist_gbps"])
     lines += ["## Configuration", ""]
-    lines += _class(async_ckpt.CheckpointConfig, [], signature=True)
+    lines += _class(async_ckpt.CheckpointConfig, ["effective_wait_timeout_s"], signature=True)
     lines += ["## Tools (the library behind the `async-ckpt` commands)", ""]
     for name, fn in (("async_ckpt.resume.resolve", resolve), ("async_ckpt.pull.pull", pull),
                      ("async_ckpt.export.export_hf", export_hf), ("async_ckpt.universal.to_universal", to_universal)):

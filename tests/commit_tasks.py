@@ -136,3 +136,22 @@ def corrupt_older_manifest(root: str) -> dict:
         explicit = _outcome(lambda: ckpt.load("a"))
     return {"loaded": loaded, "log": [line for line in log if "corrupt" in line], "explicit": explicit,
             "manifest_b": json.loads(open(f"{root}/b/async_ckpt_manifest.json").read())["tag"]}
+
+
+def resave_while_the_first_save_commits(root: str, gate: str) -> dict:
+    """Rank 0's manifest write of the first save of 't' is held behind a gate opened 2 s later, so its
+    data files are written (the staging buffers free) but 't' is not committed yet when the second
+    save of 't' is agreed."""
+    from faulty_fs import register
+
+    register()
+    engine = _engine()
+    faults = {"gate": gate, "gate_match": "async_ckpt_manifest", "gate_ranks": [0]}
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults) as ckpt:
+        first = ckpt.save(tag="t")
+        if _rank() == 0:
+            threading.Timer(2.0, lambda: open(gate, "w").close()).start()
+        second = _outcome(lambda: ckpt.save(tag="t"))
+        first_error = first.exception(timeout=60)
+    return {"second": second, "first_error": first_error and str(first_error),
+            "t_manifest": read_manifest(open_storage(root), "t") is not None}

@@ -92,6 +92,14 @@ def test_a_save_with_save_latest_false_is_recorded_and_load_resumes_what_latest_
 # ---------------------------------------------------------------- bounded waits
 
 
+def test_a_second_save_of_a_tag_waits_for_the_first_to_commit_and_is_refused_as_committed(ranks, tmp_path):
+    """Without the wait it found 't' not yet committed and wrote into it as the first save committed."""
+    for seen in ranks.run(commit_tasks.resave_while_the_first_save_commits, str(tmp_path / "ckpt"),
+                          str(tmp_path / "gate")):
+        assert seen["first_error"] is None and seen["t_manifest"] is True
+        assert seen["second"][0] == "TagExistsError" and "already committed" in seen["second"][1]
+
+
 @pytest.fixture(scope="module")
 def stuck(ranks, tmp_path_factory):
     root = tmp_path_factory.mktemp("stuck")

@@ -16,7 +16,7 @@ from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.handle import SaveHandle
 from async_ckpt.launch import RankError
 from async_ckpt.storage import open_storage
-from async_ckpt.tiers import choose_tag, local_copy_matches, prune_local, undrained
+from async_ckpt.tiers import choose_tag, holds_chosen_save, prune_local, readable_saves, undrained
 from manifests import commit_by_hand
 from s3_server import FaultProxy, options
 
@@ -336,12 +336,33 @@ def test_a_tag_the_nodes_hold_from_different_saves_is_not_readable_from_the_node
     assert choose_tag(None, [{"t": first}, {"t": second}], {}) == (None, "no tag is committed at the durable URL "
                                                                          "or in every node's local tier")
     assert choose_tag(None, [{"t": second}, {"t": first}], {"t": second}) == ("t", "")
+    tag, why = choose_tag("t", [{"t": first}, {"t": second}], {})
+    assert tag is None and "different saves of it" in why
 
 
-def test_a_rank_reads_its_node_copy_of_a_tag_only_if_it_is_the_save_the_url_holds():
+def test_a_rank_reads_a_tag_only_from_the_tiers_that_hold_the_save_every_rank_can_read():
     first, second = (1, 1.0, True, "save-1"), (1, 2.0, True, "save-2")
-    views = [{"t": second}, {"t": first}]
-    assert local_copy_matches("t", views[0], views, {"t": second}) is True
-    assert local_copy_matches("t", views[1], views, {"t": second}) is False
-    assert local_copy_matches("t", views[1], [views[1], views[1]], {}) is True
-    assert local_copy_matches("t", {}, views, {"t": second}) is False
+    views = [{"t": second}, {"t": first}]  # node 1 kept an older save that an overwrite replaced at the URL
+    assert holds_chosen_save("t", views[0], views, {"t": second}) == (True, True)
+    assert holds_chosen_save("t", views[1], views, {"t": second}) == (False, True)
+    assert holds_chosen_save("t", {}, views, {"t": second}) == (False, True)
+    assert holds_chosen_save("t", views[1], views, {}) == (False, False)  # readable nowhere
+
+
+def test_a_save_every_node_holds_wins_over_an_older_save_of_the_tag_at_the_url():
+    """The drain of the tag's earlier save committed at the URL after an overwrite began."""
+    first, second = (1, 1.0, True, "save-1"), (1, 2.0, True, "save-2")
+    nodes = [{"t": second}, {"t": second}]
+    assert readable_saves(nodes, {"t": first}) == {"t": second}
+    assert holds_chosen_save("t", nodes[0], nodes, {"t": first}) == (True, False)
+    assert readable_saves([{"t": second}, {}], {"t": first}) == {"t": first}  # a wiped node: the URL's save
+
+
+def test_local_retention_deletes_a_node_copy_the_url_holds_a_later_save_of(tmp_path):
+    local, durable = open_storage(str(tmp_path / "node1")), open_storage(str(tmp_path / "durable"))
+    for step, tag in enumerate(["t1", "t2", "t3"]):
+        commit_by_hand(local, tag, step)
+    commit_by_hand(durable, "t2", 1, saved_at=50.0, save_id="the-overwrite")  # a later save of t2
+    commit_by_hand(durable, "t3", 2, saved_at=0.5, save_id="an-earlier-save")  # older than the node's t3
+    assert prune_local(local, durable, keep=2) == ["t2"]
+    assert [t for t in ("t1", "t2", "t3") if read_manifest(local, t)] == ["t1", "t3"]
