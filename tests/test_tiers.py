@@ -206,6 +206,18 @@ def test_a_rank_whose_node_holds_an_older_save_of_a_tag_resumes_it_from_the_url(
         assert len(rank["tiers_used"]) == 1 and "from the durable tier" in rank["tiers_used"][0]
 
 
+def test_a_failed_drain_is_redone_even_when_the_save_that_finds_it_is_refused(ranks, tmp_path):
+    for out in ranks.run(tier_tasks.refused_resave_after_a_failed_drain, str(tmp_path / "durable"), str(tmp_path)):
+        assert out["refused"][0] == "TagExistsError"
+        assert out["drained_before_close"] is True
+
+
+def test_an_overwrite_does_not_drain_the_earlier_save_of_its_tag_again(ranks, tmp_path):
+    for out in ranks.run(tier_tasks.overwrite_after_a_failed_drain, str(tmp_path / "durable"), str(tmp_path)):
+        assert len(out["skipped"]) == 1
+        assert out["url_has_the_second_save"] is True
+
+
 @pytest.fixture(scope="module")
 def fell_back(ranks, tmp_path_factory):
     work = tmp_path_factory.mktemp("fallback")

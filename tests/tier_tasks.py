@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import async_ckpt
 from async_ckpt import workload
+from async_ckpt.catalog import read_manifest
 from async_ckpt.gc import collect_garbage
 from async_ckpt.storage import open_storage
 from rank_tasks import STEPS_AFTER, _flip_byte, _outcome, async_ckpt_log
@@ -271,3 +272,46 @@ def overwrite_past_a_full_local_tier_then_resume(durable: str, work: str) -> dic
     return {"as_saved": all(torch.equal(a, b) for a, b in zip(saved, loaded)),
             "node_holds_t": os.path.exists(os.path.join(node, "t", "async_ckpt_manifest.json")),
             "tiers_used": [line for line in log if "resumes t from" in line]}
+
+
+def refused_resave_after_a_failed_drain(durable: str, work: str) -> dict:
+    """The drain of 'first' fails (rank 1's writes to the durable tier), the tier heals, and a save of
+    'first' again is refused (committed locally): the drain of 'first' is still redone."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(STAGE, "fp32", seed=15)
+    workload.train(engine, 1, workload.token_stream(), _rank())
+    options = {"fail_ranks": [1], "skip_instance_cache": True}
+    with async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
+                         local_tier=node_folder(work, _rank())) as ckpt:
+        ckpt.save(tag="first").exception(timeout=120)
+        dist.barrier()
+        ckpt.storage.fs.fail_ranks = set()  # the durable tier heals
+        refused = _outcome(lambda: ckpt.save(tag="first"))
+        ckpt.wait(timeout=120)
+        drained = read_manifest(open_storage(durable), "first") is not None
+    return {"refused": refused, "drained_before_close": drained}
+
+
+def overwrite_after_a_failed_drain(durable: str, work: str) -> dict:
+    """As above, but with ``overwrite_tags`` the second save of 'first' overwrites it: the earlier
+    save's drain is not redone into the folder this save writes, and the URL gets the second save."""
+    from faulty_fs import register
+
+    register()
+    logging.getLogger("async_ckpt").setLevel(logging.INFO)
+    engine = workload.make_engine(STAGE, "fp32", seed=16)
+    workload.train(engine, 1, workload.token_stream(), _rank())
+    options = {"fail_ranks": [1], "skip_instance_cache": True}
+    with async_ckpt_log() as log, async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
+                                                  local_tier=node_folder(work, _rank()), overwrite_tags=True) as ckpt:
+        ckpt.save(tag="first").exception(timeout=120)
+        dist.barrier()
+        ckpt.storage.fs.fail_ranks = set()  # the durable tier heals
+        second = ckpt.save(tag="first")
+        second.result(timeout=120)
+        ckpt.wait(timeout=120)
+    local_id = read_manifest(open_storage(node_folder(work, _rank())), "first").save_id
+    return {"skipped": [line for line in log if "not draining the earlier save of first" in line],
+            "url_has_the_second_save": read_manifest(open_storage(durable), "first").save_id == local_id}
