@@ -62,7 +62,7 @@ class _Proposal(NamedTuple):
     save_id: str
     committed: bool  # the tag has a manifest already
     replaceable: bool  # ... of an earlier consolidated save, which an export may replace
-    redrain: list[tuple[str, str]]  # (tag, drain id) of drains to resume (tiered)
+    redrain: list[tuple[str, str]]  # (drain id, manifest) of drains to resume (tiered)
     foreign: bool = False  # the tag's folder holds files async_ckpt did not start (not for an export)
 
 
@@ -564,7 +564,7 @@ class AsyncCheckpointer:
         the commit, and a rank that raised before the collective would leave the others waiting in it.
         So does a failure of rank 0's checks of the storage.
         """
-        self._await_saves_of(tag)
+        self._await_saves_of(storage, tag)
         proposal, problem, holding = None, None, []  # holding: the tiers with the tag's manifest (rank 0)
         room = room_for(self._local.local_dir(), estimate_save_bytes(self.engine, self.world_size,
                                                                      self._pool.allocated_bytes),
@@ -585,6 +585,10 @@ class AsyncCheckpointer:
                 problem = exc
         views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),
                                                 brief(problem) if problem else None))
+        if views[0].proposal is not None:  # before any raise below could drop them; rank 0's tag on every rank
+            first = views[0].proposal
+            overwrites = first.committed and (first.replaceable or self.config.overwrite_tags)
+            self._start_drains(first.redrain, skip=views[0].tag if overwrites else None)
         self._surface_errors([v.failure for v in views])
         if problem is not None:
             raise problem
@@ -597,10 +601,8 @@ class AsyncCheckpointer:
                 self.engine._checkpoint_tag_validation(tag)  # DeepSpeed's own check raises its own error
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
-        save_id, committed, replaceable, redrain, foreign = views[0].proposal  # type: ignore[misc]
+        save_id, committed, replaceable, _, foreign = views[0].proposal  # type: ignore[misc]
         overwrites = committed and (replaceable or self.config.overwrite_tags)
-        # before a refusal below could drop them; not the earlier save of a tag this save overwrites
-        self._start_drains(redrain, skip=tag if overwrites else None)
         if foreign and not self.config.overwrite_tags:
             raise TagExistsError(f"folder {tag!r} at {storage.url} holds files but neither a manifest nor a start "
                                  "mark of async_ckpt: a checkpoint something else wrote (stock DeepSpeed?), or a "
@@ -859,14 +861,16 @@ class AsyncCheckpointer:
     def _forget_ended_handles(self) -> None:
         self._handles = [h for h in self._handles if not h.done()]
 
-    def _await_saves_of(self, tag: str) -> None:
+    def _await_saves_of(self, storage: Storage, tag: str) -> None:
         """Let this rank's earlier saves of ``tag`` settle (committed, drained to the URL, or failed)
         before a new save of it is agreed. Else the earlier save's commit, or its drain's commit at the
         URL, could land after rank 0 found the tag uncommitted, and the new save would write into a
         committed tag without uncommitting it (a crash midway would then leave that manifest over
         mixed files)."""
         deadline = time.monotonic() + self.config.effective_wait_timeout_s
-        for handle in [h for h in self._handles if h.tag == tag and not h.done()]:
+        for handle in [h for h in self._handles if h.tag == tag and h.url == storage.url and not h.done()]:
+            logger.info("rank %d: the save of %s waits for the earlier save of it to %s first", self.rank, tag,
+                        "be durable" if self._local is not None else "commit")
             self._bounded(handle.wait, tag, "the earlier save of the same tag to commit",
                           max(0.0, deadline - time.monotonic()))
 

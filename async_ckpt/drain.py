@@ -245,6 +245,7 @@ class Drainer:
         logger.error("rank %d: %s", self._rank, failure)
         with self._lock:
             self._failed.append(job)
+            self._pending.discard(job.tag)  # before the handle settles: a save that sees it failed drains it again
         self._on_failure(failure, job)
         job.handle._fail(failure)
 

@@ -206,16 +206,21 @@ def test_a_rank_whose_node_holds_an_older_save_of_a_tag_resumes_it_from_the_url(
         assert len(rank["tiers_used"]) == 1 and "from the durable tier" in rank["tiers_used"][0]
 
 
-def test_a_failed_drain_is_redone_even_when_the_save_that_finds_it_is_refused(ranks, tmp_path):
-    for out in ranks.run(tier_tasks.refused_resave_after_a_failed_drain, str(tmp_path / "durable"), str(tmp_path)):
-        assert out["refused"][0] == "TagExistsError"
+@pytest.mark.parametrize("on_error,refusal", [("warn", "TagExistsError"), ("raise", "SaveFailedError")])
+def test_a_failed_drain_is_redone_even_when_the_save_that_finds_it_is_refused(ranks, tmp_path, on_error, refusal):
+    for out in ranks.run(tier_tasks.refused_resave_after_a_failed_drain, str(tmp_path / "durable"), str(tmp_path),
+                         on_error):
+        assert out["refused"][0] == refusal
         assert out["drained_before_close"] is True
 
 
 def test_an_overwrite_does_not_drain_the_earlier_save_of_its_tag_again(ranks, tmp_path):
-    for out in ranks.run(tier_tasks.overwrite_after_a_failed_drain, str(tmp_path / "durable"), str(tmp_path)):
+    outs = ranks.run(tier_tasks.overwrite_after_a_failed_drain, str(tmp_path / "durable"), str(tmp_path))
+    for out in outs:
         assert len(out["skipped"]) == 1
         assert out["url_has_the_second_save"] is True
+        assert out["failures"] == 1  # the first save's drain; a redone one would fail or drain it a second time
+    assert len(outs[0]["drained"]) == 1  # rank 0 logs each drain committed at the URL: only the second save's
 
 
 @pytest.fixture(scope="module")
@@ -376,5 +381,8 @@ def test_local_retention_deletes_a_node_copy_the_url_holds_a_later_save_of(tmp_p
         commit_by_hand(local, tag, step)
     commit_by_hand(durable, "t2", 1, saved_at=50.0, save_id="the-overwrite")  # a later save of t2
     commit_by_hand(durable, "t3", 2, saved_at=0.5, save_id="an-earlier-save")  # older than the node's t3
+    local.write_bytes("latest", b"t2")
+    assert prune_local(local, durable, keep=2) == []  # never the tag the node's 'latest' names
+    local.write_bytes("latest", b"t3")
     assert prune_local(local, durable, keep=2) == ["t2"]
     assert [t for t in ("t1", "t2", "t3") if read_manifest(local, t)] == ["t1", "t3"]

@@ -274,9 +274,10 @@ def overwrite_past_a_full_local_tier_then_resume(durable: str, work: str) -> dic
             "tiers_used": [line for line in log if "resumes t from" in line]}
 
 
-def refused_resave_after_a_failed_drain(durable: str, work: str) -> dict:
+def refused_resave_after_a_failed_drain(durable: str, work: str, on_error: str) -> dict:
     """The drain of 'first' fails (rank 1's writes to the durable tier), the tier heals, and a save of
-    'first' again is refused (committed locally): the drain of 'first' is still redone."""
+    'first' again is refused: as committed locally, or (``on_error="raise"``) with the drain's failure.
+    The drain of 'first' is still redone."""
     from faulty_fs import register
 
     register()
@@ -284,7 +285,7 @@ def refused_resave_after_a_failed_drain(durable: str, work: str) -> dict:
     workload.train(engine, 1, workload.token_stream(), _rank())
     options = {"fail_ranks": [1], "skip_instance_cache": True}
     with async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
-                         local_tier=node_folder(work, _rank())) as ckpt:
+                         local_tier=node_folder(work, _rank()), on_error=on_error) as ckpt:
         ckpt.save(tag="first").exception(timeout=120)
         dist.barrier()
         ckpt.storage.fs.fail_ranks = set()  # the durable tier heals
@@ -314,4 +315,6 @@ def overwrite_after_a_failed_drain(durable: str, work: str) -> dict:
         ckpt.wait(timeout=120)
     local_id = read_manifest(open_storage(node_folder(work, _rank())), "first").save_id
     return {"skipped": [line for line in log if "not draining the earlier save of first" in line],
+            "drained": [line for line in log if line.startswith("drained first to")],
+            "failures": len(ckpt.failures),
             "url_has_the_second_save": read_manifest(open_storage(durable), "first").save_id == local_id}
