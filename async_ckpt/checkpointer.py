@@ -397,7 +397,8 @@ class AsyncCheckpointer:
             except (VerificationError, CheckpointNotFoundError) as exc:
                 why = str(exc)
         if not in_durable:
-            raise CheckpointNotFoundError(f"tag {tag!r}: {why}, and {self.storage.url} does not hold this save of it committed")
+            raise CheckpointNotFoundError(f"tag {tag!r}: {why}, and {self.storage.url} does not hold this save of it "
+                                          "committed")
         manifest = read_manifest(self.storage, tag)
         if manifest is None:
             raise CheckpointNotFoundError(f"tag {tag!r} is no longer committed at {self.storage.url}")
