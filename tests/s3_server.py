@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import threading
 import time
 import urllib.parse
@@ -87,7 +88,9 @@ class FaultProxy:
     ``POST {endpoint}/__faults__?parts=N`` (see :func:`set_faults`). ``hold`` (or
     ``?hold=TEXT``, :func:`set_hold`) makes PUTs (parts or whole objects) whose path contains TEXT
     hang until ``heal()``: a write that stays in flight, for kill tests; ``held`` counts those
-    hanging now (:func:`held_requests`). Everything else passes through unchanged.
+    hanging now (:func:`held_requests`). ``refuse_deletes`` answers every DeleteObjects request with
+    an AccessDenied error per key, and deletes nothing, as S3 does for keys a policy protects.
+    Everything else passes through unchanged.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -99,6 +102,7 @@ class FaultProxy:
         self.hold = ""
         self.held = 0
         self.injected = 0
+        self.refuse_deletes = False
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -130,6 +134,18 @@ class FaultProxy:
                     with proxy._lock:
                         proxy.held -= 1
                     self.close_connection = True
+                    return
+                deleting = "delete" in urlsplit(self.path).query.replace("=", "&").split("&")
+                if self.command == "POST" and deleting and proxy.refuse_deletes:
+                    keys = re.findall(rb"<Key>(.*?)</Key>", body)
+                    payload = (b"<?xml version='1.0' encoding='UTF-8'?><DeleteResult>" + b"".join(
+                        b"<Error><Key>" + key + b"</Key><Code>AccessDenied</Code><Message>Access Denied</Message>"
+                        b"</Error>" for key in keys) + b"</DeleteResult>")
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
                     return
                 if self.command == "PUT" and "partNumber" in query and proxy._take_fault():
                     if proxy.kind in ("reset", "stall"):

@@ -286,3 +286,21 @@ def test_s3_upload_that_keeps_timing_out_fails_naming_the_object_and_aborts(s3, 
     client = s3.client()
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="run/tag/")
+
+
+@pytest.mark.parametrize("recursive", [False, True])
+def test_s3_delete_that_the_store_refuses_raises_naming_what_is_left(s3, bucket, recursive):
+    """S3 answers a refused DeleteObjects key inside a 200 response, which s3fs does not raise on."""
+    proxy = FaultProxy(s3.endpoint)
+    proxy.refuse_deletes = True
+    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint))
+    try:
+        storage.write_bytes("tag/.async_ckpt/started-rank0", b"x")
+        with pytest.raises(PermissionError, match="S3 kept 1 object.*refused"):
+            storage.delete("tag/.async_ckpt" if recursive else "tag/.async_ckpt/started-rank0", recursive=recursive)
+        proxy.refuse_deletes = False
+        storage.delete("tag", recursive=True)
+        assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket, Prefix="run/tag/")
+    finally:
+        storage.close()
+        proxy.stop()

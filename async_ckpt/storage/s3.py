@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import io
 import functools
 import itertools
@@ -250,6 +251,20 @@ class S3Storage(FsspecStorage):
 
     async def _client(self) -> Any:
         return await self.fs.set_session()
+
+    def delete(self, relpath: str, *, recursive: bool = False) -> None:
+        """As on any fsspec store, then a check that nothing is left: DeleteObjects answers each key
+        that S3 refuses (a bucket policy, an object lock) with an error inside a 200 response, and
+        s3fs drops those errors. Unchecked, a cleanup would go on as if the files were gone: remove a
+        tag's start mark while its files stay, say, so that gc keeps them as a foreign folder."""
+        super().delete(relpath, recursive=recursive)
+        path = self.full_path(relpath)
+        self.fs.invalidate_cache(path)
+        left = self.fs.find(path) if recursive else [path] if self.fs.exists(path) else []
+        if left:
+            raise PermissionError(errno.EACCES, f"S3 kept {len(left)} object(s) that a delete of {relpath!r} at "
+                                  f"{self.url} asked it to remove (e.g. {left[0]}): it refused them. Check the "
+                                  "bucket policy or object lock for s3:DeleteObject", path)
 
     @contextlib.contextmanager
     def open_write(self, relpath: str) -> Iterator[BinaryIO]:
