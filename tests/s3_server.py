@@ -111,6 +111,13 @@ class FaultProxy:
             def log_message(self, *args):
                 pass
 
+            def _answer_xml(self, status: int, payload: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
             def _relay(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
@@ -141,11 +148,7 @@ class FaultProxy:
                     payload = (b"<?xml version='1.0' encoding='UTF-8'?><DeleteResult>" + b"".join(
                         b"<Error><Key>" + key + b"</Key><Code>AccessDenied</Code><Message>Access Denied</Message>"
                         b"</Error>" for key in keys) + b"</DeleteResult>")
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    self._answer_xml(200, payload)
                     return
                 if self.command == "PUT" and "partNumber" in query and proxy._take_fault():
                     if proxy.kind in ("reset", "stall"):
@@ -155,11 +158,7 @@ class FaultProxy:
                         return
                     payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
                                b"<Message>Please reduce your request rate.</Message></Error>")
-                    self.send_response(503)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    self._answer_xml(503, payload)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
