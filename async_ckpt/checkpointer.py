@@ -586,10 +586,10 @@ class AsyncCheckpointer:
                 problem = exc
         views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),
                                                 brief(problem) if problem else None))
-        if views[0].proposal is not None:  # before any raise below could drop them; rank 0's tag on every rank
-            first = views[0].proposal
-            overwrites = first.committed and (first.replaceable or self.config.overwrite_tags)
-            self._start_drains(first.redrain, skip=views[0].tag if overwrites else None)
+        found = views[0].proposal  # what rank 0 found, on every rank
+        overwrites = found is not None and found.committed and (found.replaceable or self.config.overwrite_tags)
+        if found is not None:  # before any raise below could drop them; rank 0's tag on every rank
+            self._start_drains(found.redrain, skip=views[0].tag if overwrites else None)
         self._surface_errors([v.failure for v in views])
         if problem is not None:
             raise problem
@@ -602,8 +602,7 @@ class AsyncCheckpointer:
                 self.engine._checkpoint_tag_validation(tag)  # DeepSpeed's own check raises its own error
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
-        save_id, committed, replaceable, _, foreign = views[0].proposal  # type: ignore[misc]
-        overwrites = committed and (replaceable or self.config.overwrite_tags)
+        save_id, committed, _, _, foreign = found  # type: ignore[misc]
         if foreign and not self.config.overwrite_tags:
             raise TagExistsError(f"folder {tag!r} at {storage.url} holds files but neither a manifest nor a start "
                                  "mark of async_ckpt: a checkpoint something else wrote (stock DeepSpeed?), or a "
