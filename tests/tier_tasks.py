@@ -3,12 +3,14 @@ folder (``node{rank}``), the durable tier on the moto S3 server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import threading
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -274,21 +276,28 @@ def overwrite_past_a_full_local_tier_then_resume(durable: str, work: str) -> dic
             "tiers_used": [line for line in log if "resumes t from" in line]}
 
 
-def refused_resave_after_a_failed_drain(durable: str, work: str, on_error: str) -> dict:
-    """The drain of 'first' fails (rank 1's writes to the durable tier), the tier heals, and a save of
-    'first' again is refused: as committed locally, or (``on_error="raise"``) with the drain's failure.
-    The drain of 'first' is still redone."""
+@contextlib.contextmanager
+def _after_a_failed_drain_of_first(durable: str, work: str, seed: int, **wrap_options) -> Iterator:
+    """A tiered checkpointer whose drain of tag 'first' failed (rank 1's writes to the durable tier),
+    then the durable tier healed: the checkpointer, open."""
     from faulty_fs import register
 
     register()
-    engine = workload.make_engine(STAGE, "fp32", seed=15)
+    engine = workload.make_engine(STAGE, "fp32", seed=seed)
     workload.train(engine, 1, workload.token_stream(), _rank())
     options = {"fail_ranks": [1], "skip_instance_cache": True}
     with async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
-                         local_tier=node_folder(work, _rank()), on_error=on_error) as ckpt:
+                         local_tier=node_folder(work, _rank()), **wrap_options) as ckpt:
         ckpt.save(tag="first").exception(timeout=120)
         dist.barrier()
         ckpt.storage.fs.fail_ranks = set()  # the durable tier heals
+        yield ckpt
+
+
+def refused_resave_after_a_failed_drain(durable: str, work: str, on_error: str) -> dict:
+    """After a failed drain of 'first', a save of 'first' again is refused: as committed locally, or
+    (``on_error="raise"``) with the drain's failure. The drain of 'first' is still redone."""
+    with _after_a_failed_drain_of_first(durable, work, 15, on_error=on_error) as ckpt:
         refused = _outcome(lambda: ckpt.save(tag="first"))
         ckpt.wait(timeout=120)
         drained = read_manifest(open_storage(durable), "first") is not None
@@ -298,20 +307,9 @@ def refused_resave_after_a_failed_drain(durable: str, work: str, on_error: str) 
 def overwrite_after_a_failed_drain(durable: str, work: str) -> dict:
     """As above, but with ``overwrite_tags`` the second save of 'first' overwrites it: the earlier
     save's drain is not redone into the folder this save writes, and the URL gets the second save."""
-    from faulty_fs import register
-
-    register()
     logging.getLogger("async_ckpt").setLevel(logging.INFO)
-    engine = workload.make_engine(STAGE, "fp32", seed=16)
-    workload.train(engine, 1, workload.token_stream(), _rank())
-    options = {"fail_ranks": [1], "skip_instance_cache": True}
-    with async_ckpt_log() as log, async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
-                                                  local_tier=node_folder(work, _rank()), overwrite_tags=True) as ckpt:
-        ckpt.save(tag="first").exception(timeout=120)
-        dist.barrier()
-        ckpt.storage.fs.fail_ranks = set()  # the durable tier heals
-        second = ckpt.save(tag="first")
-        second.result(timeout=120)
+    with async_ckpt_log() as log, _after_a_failed_drain_of_first(durable, work, 16, overwrite_tags=True) as ckpt:
+        ckpt.save(tag="first").result(timeout=120)
         ckpt.wait(timeout=120)
     local_id = read_manifest(open_storage(node_folder(work, _rank())), "first").save_id
     return {"skipped": [line for line in log if "not draining the earlier save of first" in line],
