@@ -29,11 +29,12 @@ import torch.distributed as dist
 from async_ckpt import __version__ as _version
 from async_ckpt import commit, inflight
 from async_ckpt.catalog import holds_files, read_manifest, started_here
-from async_ckpt.config import CheckpointConfig, OnError
+from async_ckpt.config import CheckpointConfig, OnError, timeout_argument
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, CorruptManifestError,
+                               InvalidTagError,
                                SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
                                VerificationError, WaitTimeoutError)
 from async_ckpt.handle import SaveHandle, SaveResult
@@ -223,7 +224,11 @@ class AsyncCheckpointer:
         most ``timeout`` seconds (default ``wait_timeout_s``), then raises :class:`WaitTimeoutError`.
         """
         self._ensure_open()
-        self._await_handles(self.config.effective_wait_timeout_s if timeout is None else timeout)
+        timeout = timeout_argument("wait(timeout=...)", timeout)
+        if timeout is None:
+            self._await_handles(self.config.effective_wait_timeout_s)
+        else:
+            self._await_handles(timeout, limit="the timeout given to wait() or wait_all()")
         self._surface_errors()
 
     def save_consolidated(self, tag: str | None = None, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -874,20 +879,22 @@ class AsyncCheckpointer:
             self._bounded(handle.wait, tag, "the earlier save of the same tag to commit",
                           max(0.0, deadline - time.monotonic()))
 
-    def _await_handles(self, timeout_s: float, *, local_only: bool = False) -> None:
+    def _await_handles(self, timeout_s: float, *, local_only: bool = False, limit: str = "wait_timeout_s") -> None:
         """Every save so far committed (durably, or with ``local_only`` on its first tier) or failed,
-        within ``timeout_s`` in all."""
+        within ``timeout_s`` in all (set by ``limit``, which the timeout error names)."""
         deadline = time.monotonic() + timeout_s
         for handle in list(self._handles):
             self._bounded(handle.wait_local if local_only else handle.wait, handle.tag, "the save to commit",
-                          max(0.0, deadline - time.monotonic()))
+                          max(0.0, deadline - time.monotonic()), limit=limit)
         self._forget_ended_handles()
 
-    def _bounded(self, done: Callable[[float], bool], tag: str, what: str, timeout_s: float) -> None:
+    def _bounded(self, done: Callable[[float], bool], tag: str, what: str, timeout_s: float, *,
+                 limit: str = "wait_timeout_s") -> None:
         """Call ``done(slice)`` until it returns true; log every minute; :class:`WaitTimeoutError` after ``timeout_s``.
 
         A rank stuck here is usually waiting for a peer or for slow storage, so the log says which
-        tag, for how long, and when the wait gives up.
+        tag, for how long, and when the wait gives up. ``limit`` names the setting ``timeout_s`` came
+        from (``wait_timeout_s``, or a call's own ``timeout``), which the error says to raise.
         """
         started = time.monotonic()
         deadline = started + timeout_s
@@ -896,7 +903,7 @@ class AsyncCheckpointer:
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"rank {self.rank}: waited {waited:.0f} s for {what} (tag {tag!r} to "
                                        f"{self.storage.url}) and gave up. The write or its commit is stuck: check "
-                                       "the other ranks and the storage; raise wait_timeout_s if it is only slow")
+                                       f"the other ranks and the storage; raise {limit} if it is only slow")
             logger.warning("rank %d: still waiting for %s (tag %s) after %.0f s; giving up after %.0f s",
                            self.rank, what, tag, waited, timeout_s)
 
@@ -944,7 +951,11 @@ class AsyncCheckpointer:
         self._ensure_open()
         started = time.perf_counter()
         root, tag = _normalize(os.fspath(save_dir)).rsplit("/", 1)
-        tag = validate_tag(tag)
+        try:
+            tag = validate_tag(tag)
+        except InvalidTagError as exc:  # the user named a folder, not a tag
+            raise InvalidTagError(f"save_16bit_model(save_dir={save_dir!r}): its last folder is committed as a tag, "
+                                  f"so it must be a valid tag name: {exc}") from exc
         storage = self._storage_for(root)
         waited = self._await_buffers()
         self._session = _Session(storage, base=os.path.dirname(os.fspath(save_dir).rstrip("/")) or ".")
@@ -1097,7 +1108,7 @@ def wrap(engine: Any, url: str | os.PathLike[str], *, tokenizer: Any = None, kee
     credentials fail here rather than minutes later in the background.
     """
     try:
-        config = CheckpointConfig(url=os.fspath(url), keep_last=keep_last, storage_options=storage_options or {},
+        config = CheckpointConfig(url=url, keep_last=keep_last, storage_options=storage_options or {},
                                   on_error=on_error, **options)
     except TypeError as exc:
         raise UsageError(f"wrap(): {exc}; see async_ckpt.CheckpointConfig for the options") from exc

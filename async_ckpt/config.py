@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 OnError = Literal["warn", "raise"]
 MiB = 1024 * 1024
+MAX_PART_SIZE = 5 * 1024 * MiB  # S3's largest part
 _WAIT_MARGIN_S = 400.0  # wait_timeout_s's default beyond 2 * commit_timeout_s, for the save's own write
 _SHORTEST_DEFAULT_WAIT_S = 4000.0
 _LONGEST_S = 1e8  # about three years: any longer wait overflows neither a timedelta nor a thread join
@@ -31,7 +32,8 @@ class CheckpointConfig:
 
     Attributes:
         url: destination root: a local/NFS path or any fsspec URL (``s3://bucket/run1``).
-        storage_options: passed unchanged to fsspec (endpoint, region, credentials...).
+        storage_options: passed unchanged to fsspec (endpoint, region, credentials...). Refused
+            with a local ``url``, where they would be ignored (a URL missing its ``s3://``).
         keep_last: keep only this many committed tags, the most recently saved (older ones are
             deleted after a newer commit succeeded; never the one ``latest`` names; after a
             rollback, the abandoned later steps count as older). ``None`` keeps everything.
@@ -69,14 +71,14 @@ class CheckpointConfig:
             so that a wait outlasts a commit that times out (rank 0 waits ``commit_timeout_s`` for
             every rank's files, the others up to twice that) when ``commit_timeout_s`` is raised.
             The field stays ``None``; :attr:`effective_wait_timeout_s` gives the value in force.
-        part_size: object-store multipart part size in bytes (at least 5 MiB, S3's minimum). A file
+        part_size: object-store multipart part size in bytes (5 MiB to 5 GiB, S3's limits). A file
             past 1000 parts (16 GiB at the default) doubles it after every 1000 parts, and with it
             the upload's memory, so that S3's 10,000 parts reach its 5 TiB object limit (from 16 MiB).
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
         upload_threads: threads (each an event loop with its own client) that share the parts of
             object-store uploads. Signing and checksumming a part costs CPU, so one thread caps
             upload speed; more than the cores you can spare buys nothing. At most max_concurrency.
-        cache_dir: local folder for files fetched from remote storage on resume (default:
+        cache_dir: local folder (not a URL) for files fetched from remote storage on resume (default:
             ``$XDG_CACHE_HOME/async_ckpt_cache``, else ``async_ckpt_cache`` in the temporary folder).
         retry_attempts: tries per object-store request before a transient error (5xx, throttling,
             timeouts, resets) fails the save.
@@ -107,7 +109,8 @@ class CheckpointConfig:
             memory (tmpfs, ramfs) with no ``local_tier``, off elsewhere. In memory a write is CPU
             work with no device to hand it to: in the background it cost CPU training 2.6-4x stock
             DeepSpeed's save, written while training waits 0.8-0.9x stock's (benchmarks/RESULTS.md,
-            "ISA-L's CRC-32"). ``False`` writes in the background there too.
+            "ISA-L's CRC-32"). ``False`` writes in the background there too. ``True`` is refused with
+            ``local_tier``: each save would wait for its drain to ``url``, so the tier would shorten none.
         local_tier: a node-local folder (NVMe, ``/dev/shm``) where each save is written and committed
             first; each rank's drainer thread then copies the committed tag to ``url`` with a commit
             of its own (see :mod:`async_ckpt.tiers`). It may be a different folder on every node: no
@@ -149,13 +152,20 @@ class CheckpointConfig:
     on_save_done: Callable[["SaveHandle"], None] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, (str, os.PathLike)) or not str(self.url).strip():
+        if not isinstance(self.url, (str, os.PathLike)) or not os.fspath(self.url).strip():
             raise ConfigError(f"url must be a non-empty path or fsspec URL, got {self.url!r}")
         object.__setattr__(self, "url", os.fspath(self.url))
+        if self.url != self.url.strip():
+            raise ConfigError(f"url {self.url!r} starts or ends with whitespace, which would name another folder; "
+                              "strip it")
         if self.storage_options is None:
             object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
+        if self.storage_options and _local_path(self.url) is not None:
+            raise ConfigError(f"storage_options {sorted(self.storage_options)} are for an object store, but url "
+                              f"{self.url!r} is a local path, where they would be ignored: write the URL with its "
+                              "scheme (s3://bucket/run1), or drop storage_options")
         if self.keep_last is not None:
             _integer("keep_last", self.keep_last, 1)
         if self.on_error not in ("warn", "raise"):
@@ -163,8 +173,9 @@ class CheckpointConfig:
         _number("commit_timeout_s", self.commit_timeout_s, minimum=0, exclusive=True)
         if self.wait_timeout_s is not None:
             _number("wait_timeout_s", self.wait_timeout_s, minimum=0, exclusive=True)
-        if _integer("part_size", self.part_size) < 5 * MiB:
-            raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
+        if not 5 * MiB <= _integer("part_size", self.part_size) <= MAX_PART_SIZE:
+            raise ConfigError(f"part_size must be from 5 MiB to 5 GiB (S3's smallest and largest part), got "
+                              f"{self.part_size!r}")
         _integer("max_concurrency", self.max_concurrency, 1, 256)
         _integer("upload_threads", self.upload_threads, 1, 64)
         _integer("retry_attempts", self.retry_attempts, 1)
@@ -192,8 +203,12 @@ class CheckpointConfig:
             if self.local_tier is None:
                 raise ConfigError("local_tier_max_bytes limits a local tier, but local_tier is unset: set local_tier "
                                   "too, or leave local_tier_max_bytes unset")
-        if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir):
-            raise ConfigError(f"cache_dir must be a folder path, got {self.cache_dir!r}")
+        if self.synchronous and self.local_tier is not None:
+            raise ConfigError("synchronous=True makes every save wait until it is committed at url, so local_tier "
+                              "would shorten no save: drop one of them")
+        if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir).strip() \
+                or _local_path(os.fspath(self.cache_dir)) is None:
+            raise ConfigError(f"cache_dir must be a local folder path, got {self.cache_dir!r}")
 
     @property
     def effective_wait_timeout_s(self) -> float:
@@ -211,19 +226,25 @@ class CheckpointConfig:
         """A local folder apart from ``url``: the tiers keep manifests and ``latest`` of their own."""
         if not isinstance(self.local_tier, (str, os.PathLike)) or not os.fspath(self.local_tier).strip():
             raise ConfigError(f"local_tier must be a local folder path, got {self.local_tier!r}")
-        path = os.fspath(self.local_tier)
-        if path.startswith("file://"):
-            path = path[len("file://"):]
-        if "://" in path:
-            raise ConfigError(f"local_tier must be a node-local folder (NVMe, /dev/shm), not a URL: {path!r}; put "
-                              "the object store in url")
+        path = _local_path(os.fspath(self.local_tier))
+        if path is None:
+            raise ConfigError(f"local_tier must be a node-local folder (NVMe, /dev/shm), not a URL: "
+                              f"{self.local_tier!r}; put the object store in url")
         path = os.path.abspath(os.path.expanduser(path))
         object.__setattr__(self, "local_tier", path)
-        if "://" not in self.url:
-            durable = os.path.abspath(os.path.expanduser(self.url))
+        url_path = _local_path(self.url)
+        if url_path is not None:
+            durable = os.path.abspath(os.path.expanduser(url_path))
             if os.path.commonpath([path, durable]) in (path, durable):
                 raise ConfigError(f"local_tier {path!r} and url {durable!r} overlap; each tier needs a folder of its "
                                   "own (each keeps its own manifests and 'latest')")
+
+
+def _local_path(url: str) -> str | None:
+    """The local path ``url`` names (a plain path, or ``file://``), or ``None`` for any other URL."""
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    return None if "://" in url else url
 
 
 def _integer(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -233,6 +254,12 @@ def _integer(name: str, value: Any, minimum: int | None = None, maximum: int | N
             or (maximum is not None and value > maximum):
         raise ConfigError(f"{name} must be an integer{bounds}, got {value!r}")
     return value
+
+
+def timeout_argument(name: str, value: Any) -> float | None:
+    """A call's ``timeout`` (``wait(timeout=...)``): ``None``, or seconds from 0 to ``_LONGEST_S``; else
+    :class:`ConfigError` naming it, before the wait (a NaN would never run out, a string fail mid-wait)."""
+    return None if value is None else _number(name, value, minimum=0)
 
 
 def _number(name: str, value: Any, *, minimum: float, exclusive: bool = False) -> float:

@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
+from async_ckpt.config import timeout_argument
+
 if TYPE_CHECKING:
     from async_ckpt.checkpointer import AsyncCheckpointer
 
@@ -84,6 +86,7 @@ def wait_all(timeout: float | None = None) -> None:
     logged otherwise), together at most ``timeout`` seconds (default: each one's
     ``wait_timeout_s``), then :class:`~async_ckpt.WaitTimeoutError` names the rank and the tag.
     """
+    timeout = timeout_argument("wait_all(timeout=...)", timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     with _LOCK:
         open_now = list(_OPEN)

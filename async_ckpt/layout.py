@@ -18,7 +18,7 @@ MANIFEST = "async_ckpt_manifest.json"
 MARKER_DIR = ".async_ckpt"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
-_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
+_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 _MAX_TAG_LEN = 200
 _RESERVED = frozenset((LATEST, LATEST_UNIVERSAL, *RECOVERY_SCRIPTS))  # files of the root
 _RANK_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_")
@@ -40,7 +40,7 @@ def validate_tag(tag: object) -> str:
     if text in _RESERVED:
         raise InvalidTagError(f"checkpoint tag {text!r} is the name of a file DeepSpeed or async_ckpt keeps in the "
                               "checkpoint root (a tag folder of that name would block it); choose another name")
-    if "/" in text or "\\" in text or ".." in text or not _TAG_RE.match(text):
+    if "/" in text or "\\" in text or ".." in text or not _TAG_RE.fullmatch(text):
         raise InvalidTagError(
             f"checkpoint tag {text!r} is not a plain folder name; use letters, digits and "
             "'._+=-' only, starting with a letter or digit (no '/', '\\' or '..')"

@@ -88,6 +88,7 @@ def consolidated_saves(stage: int, dtype: str, root: str, s3_url: str, s3_option
     out["metrics"] = dict(handle.metrics)
 
     out["16bit_into_a_zero_tag"] = _outcome(lambda: engine.save_16bit_model(f"faulty://{root}/regular"))
+    out["16bit_into_a_folder_no_tag_can_name"] = _outcome(lambda: engine.save_16bit_model(f"faulty://{root}/my model"))
     out["tag_reused"] = _outcome(lambda: ckpt.save_consolidated(tag=out["tag"]))
     out["load_consolidated"] = _outcome(lambda: ckpt.load(tag=out["tag"]))
     if stage == 3:

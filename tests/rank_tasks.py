@@ -254,13 +254,15 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
     before = sorted(os.listdir(root))
     for name, tag in {"empty_tag": "", "slash_tag": "a/b", "dotdot_tag": "..", "parent_tag": "../escape",
                       "backslash_tag": "a\\b", "space_tag": " x", "latest_tag": "latest",
-                      "script_tag": "zero_to_fp32.py"}.items():
+                      "script_tag": "zero_to_fp32.py", "newline_tag": "global_step5\n"}.items():
         out[name] = _outcome(lambda t=tag: ckpt.save(tag=t))
     out["written_after_bad_tags"] = sorted(os.listdir(root)) != before
     dist.barrier()  # no rank starts the good save below before every rank has listed
     out["load_when_empty"] = _outcome(lambda: ckpt.load())
     ckpt.save(tag="good").result(timeout=60)
     out["resave_committed_tag"] = _outcome(lambda: ckpt.save(tag="good"))
+    out["wait_nan_timeout"] = _outcome(lambda: ckpt.wait(timeout=float("nan")))
+    out["wait_text_timeout"] = _outcome(lambda: ckpt.wait(timeout="5"))
     out["load_missing_tag"] = _outcome(lambda: ckpt.load(tag="nope"))
     if _rank() == 0:
         os.makedirs(f"{root}/partial", exist_ok=True)

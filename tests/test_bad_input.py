@@ -85,7 +85,7 @@ def test_wrap_writes_in_the_background_and_does_not_warn_of_memory_on_a_disk(out
 
 
 @pytest.mark.parametrize("case", ["empty_tag", "slash_tag", "dotdot_tag", "parent_tag", "backslash_tag", "space_tag",
-                                  "latest_tag", "script_tag"])
+                                  "latest_tag", "script_tag", "newline_tag"])
 def test_invalid_tag_is_refused_on_every_rank(outcomes, case):
     for rank in outcomes:
         assert rank[case][0] == "InvalidTagError"
@@ -143,9 +143,22 @@ def test_use_after_close_is_refused(outcomes, case):
     assert outcomes[0][case][0] == "CheckpointerClosedError"
 
 
+@pytest.mark.parametrize("case", ["wait_nan_timeout", "wait_text_timeout"])
+def test_a_wait_timeout_that_is_not_a_number_of_seconds_is_refused_naming_it(outcomes, case):
+    for rank in outcomes:
+        assert rank[case][0] == "ConfigError" and "wait(timeout=...) must be a number" in rank[case][1]
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), "5", -1])
+def test_wait_all_refuses_a_timeout_that_is_not_a_number_of_seconds(timeout):
+    with pytest.raises(ConfigError, match=r"wait_all\(timeout=...\) must be a number"):
+        async_ckpt.wait_all(timeout=timeout)
+
+
 @pytest.mark.parametrize("kwargs", [dict(url=""), dict(url="x", part_size=1024), dict(url="x", max_concurrency=0),
                                     dict(url="x", upload_threads=0), dict(url="x", upload_threads=True),
-                                    dict(url="x", commit_timeout_s=0), dict(url="x", keep_last=True)])
+                                    dict(url="x", commit_timeout_s=0), dict(url="x", keep_last=True),
+                                    dict(url="x", part_size=5 * 1024**3 + 1)])
 def test_config_is_validated_at_construction(kwargs):
     with pytest.raises(ConfigError):
         CheckpointConfig(**kwargs)
@@ -163,6 +176,34 @@ def test_endless_durations_are_refused_naming_the_field(name, value):
 def test_an_option_that_needs_another_is_refused_without_it(kwargs, needed):
     with pytest.raises(ConfigError, match=needed):
         CheckpointConfig(url="x", **kwargs)
+
+
+@pytest.mark.parametrize("url", ["my-bucket/run1", "/tmp/run1", "file:///tmp/run1"])
+def test_storage_options_with_a_local_url_are_refused_naming_the_missing_scheme(url):
+    with pytest.raises(ConfigError, match="is a local path, where they would be ignored: write the URL with its scheme"):
+        CheckpointConfig(url=url, storage_options={"endpoint_url": "http://127.0.0.1:9000"})
+
+
+@pytest.mark.parametrize("url", [" /tmp/run1", "/tmp/run1 ", "s3://bucket/run1\n"])
+def test_a_url_with_surrounding_whitespace_is_refused(url):
+    with pytest.raises(ConfigError, match="whitespace"):
+        CheckpointConfig(url=url)
+
+
+def test_synchronous_saves_with_a_local_tier_are_refused():
+    with pytest.raises(ConfigError, match="drop one of them"):
+        CheckpointConfig(url="s3://bucket/run1", synchronous=True, local_tier="/tmp/tier")
+
+
+@pytest.mark.parametrize("cache_dir", ["s3://bucket/cache", "  ", ""])
+def test_a_cache_dir_that_is_not_a_local_folder_is_refused(cache_dir):
+    with pytest.raises(ConfigError, match="cache_dir must be a local folder path"):
+        CheckpointConfig(url="s3://bucket/run1", cache_dir=cache_dir)
+
+
+def test_a_local_tier_inside_a_file_url_is_refused_as_overlapping():
+    with pytest.raises(ConfigError, match="overlap"):
+        CheckpointConfig(url="file:///tmp/ckpt", local_tier="/tmp/ckpt/tier")
 
 
 def test_wait_timeout_outlasts_a_raised_commit_timeout_by_default():

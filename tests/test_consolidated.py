@@ -166,6 +166,12 @@ def test_save_16bit_model_into_a_committed_zero_checkpoint_folder_is_refused(run
     assert not _manifest(run["root"] / "regular").consolidated
 
 
+def test_save_16bit_model_into_a_folder_whose_name_is_no_tag_is_refused_naming_save_dir(run):
+    kind, message = run["16bit_into_a_folder_no_tag_can_name"]
+    assert kind == "InvalidTagError" and "save_16bit_model(save_dir=" in message and "my model" in message
+    assert not (run["root"] / "my model").exists()
+
+
 def test_save_16bit_model_under_zero3_without_gathering_returns_false_and_writes_nothing(zero3):
     assert zero3["16bit_without_gather"] is False and zero3["16bit_without_gather_wrote"] is False
 

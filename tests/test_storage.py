@@ -9,10 +9,11 @@ import time
 import zlib
 
 import boto3
+import fsspec
 import pytest
 import torch
 
-from async_ckpt.errors import StorageError
+from async_ckpt.errors import ConfigError, StorageError
 from async_ckpt.serialization import write_torch_file
 from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage import local as local_storage
@@ -304,3 +305,25 @@ def test_s3_delete_that_the_store_refuses_raises_naming_what_is_left(s3, bucket,
     finally:
         storage.close()
         proxy.stop()
+
+
+class _NeedsAMissingLibrary(fsspec.AbstractFileSystem):
+    """A backend that imports its client library only when opened, as fsspec's hdfs:// does."""
+
+    protocol = "needs-a-missing-library"
+
+    def __init__(self, **options):
+        raise ModuleNotFoundError("No module named 'missing_client_library'")
+
+
+def test_a_backend_whose_client_library_is_missing_is_a_config_error_naming_it():
+    fsspec.register_implementation(_NeedsAMissingLibrary.protocol, _NeedsAMissingLibrary, clobber=True)
+    with pytest.raises(ConfigError, match="missing_client_library'. Install what the fsspec backend"):
+        open_storage(f"{_NeedsAMissingLibrary.protocol}://host/run")
+
+
+@pytest.mark.parametrize("options,names", [({"endpoint": "http://127.0.0.1:9"}, "unexpected keyword argument 'endpoint'"),
+                                           ({"config_kwargs": "x"}, r"config_kwargs'\] must be a dict")])
+def test_s3_options_that_the_client_refuses_are_a_config_error_when_opened(options, names):
+    with pytest.raises(ConfigError, match=names):
+        open_storage("s3://bucket/run", options)

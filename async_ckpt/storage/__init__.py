@@ -51,4 +51,7 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, 
         fs = fs_cls(**options)
     except TypeError as exc:
         raise ConfigError(f"storage_options for {protocol}:// are invalid: {exc}") from exc
+    except ImportError as exc:  # a backend that imports its client library only when first opened (hdfs)
+        raise ConfigError(f"cannot open {url!r}: {exc}. Install what the fsspec backend for '{protocol}://' "
+                          "needs") from exc
     return FsspecStorage(fs, fs_cls._strip_protocol(url), url)

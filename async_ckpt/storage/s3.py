@@ -26,29 +26,28 @@ import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, BinaryIO, Callable, Iterator, TypeVar
+from typing import Any, Awaitable, BinaryIO, Callable, Iterator, Mapping, TypeVar
 
 import fsspec.asyn
 import s3fs
 
-from async_ckpt.errors import StorageError
+from async_ckpt.config import MAX_PART_SIZE, MiB
+from async_ckpt.errors import ConfigError, StorageError
 from async_ckpt.storage.base import Progress
 from async_ckpt.storage.fsspec_store import FsspecStorage
 from async_ckpt.storage.retry import RetryPolicy
 
-MiB = 1024 * 1024
 T = TypeVar("T")
 
 #: Files up to this size are buffered in memory that grows with them; larger ones in full parts.
 SMALL_FILE = 1024 * 1024
 
-#: S3 takes at most 10,000 parts per object, each at most 5 GiB. Parts double in size after every
-#: PARTS_PER_SIZE of them, so 10,000 parts reach S3's 5 TiB object limit from the default 16 MiB
-#: (4.9 TiB from the 5 MiB minimum), while files up to PARTS_PER_SIZE * part_size (16 GiB by
-#: default) keep the configured size.
+#: S3 takes at most 10,000 parts per object, each at most 5 GiB (MAX_PART_SIZE). Parts double in
+#: size after every PARTS_PER_SIZE of them, so 10,000 parts reach S3's 5 TiB object limit from the
+#: default 16 MiB (4.9 TiB from the 5 MiB minimum), while files up to PARTS_PER_SIZE * part_size
+#: (16 GiB by default) keep the configured size.
 MAX_PARTS = 10_000
 PARTS_PER_SIZE = 1000
-MAX_PART_SIZE = 5 * 1024 * MiB
 
 #: Every part carries its CRC-32, which the store checks on arrival and combines into the object's
 #: checksum at completion (boto3's TransferManager does the same; the store finishes faster with it).
@@ -205,9 +204,18 @@ class S3Storage(FsspecStorage):
         options = dict(storage_options)
         options.setdefault("skip_instance_cache", True)
         options.setdefault("use_listings_cache", False)  # commit polls listings; they must be fresh
-        config_kwargs = dict(options.pop("config_kwargs", None) or {})
+        config_kwargs = options.pop("config_kwargs", None) or {}
+        if not isinstance(config_kwargs, Mapping):
+            raise ConfigError(f"storage_options['config_kwargs'] must be a dict of botocore Config options, such as "
+                              f"{{'connect_timeout': 10}}, got {config_kwargs!r}")
+        config_kwargs = dict(config_kwargs)
         config_kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # retries are ours
         fs = s3fs.S3FileSystem(config_kwargs=config_kwargs, **options)
+        try:  # s3fs hands options it does not know to the botocore session, which refuses them only here
+            fs.connect()
+        except TypeError as exc:
+            raise ConfigError(f"storage_options for {url} are invalid: {exc} (the endpoint is 'endpoint_url', "
+                              "credentials 'key' and 'secret'; see s3fs.S3FileSystem)") from exc
         super().__init__(fs, fs._strip_protocol(url), url.rstrip("/"))
         self.bucket, _, self.prefix = self.root.partition("/")
         self.part_size = part_size or 16 * MiB
