@@ -24,10 +24,11 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 def _storage(args: argparse.Namespace) -> Any:
     from async_ckpt.storage import open_storage
 
-    from async_ckpt.errors import CheckpointNotFoundError
+    from async_ckpt.errors import CheckpointNotFoundError, UsageError
 
-    options = _source_options(args)
-    storage = open_storage(args.url, options if "://" in args.url else None)
+    if not args.url.strip():
+        raise UsageError("the checkpoint URL is empty; pass the root folder or URL the checkpoints were saved to")
+    storage = open_storage(args.url, _source_options(args))  # options for a local path are refused there
     local = storage.local_dir()
     if local is not None and not os.path.isdir(local):
         raise CheckpointNotFoundError(f"no such folder: {local}")
@@ -140,9 +141,11 @@ def _to_universal(args: argparse.Namespace) -> int:
     from async_ckpt.universal import to_universal
 
     source = _storage(args)
-    options = (_json_object(args.out_storage_options, "--out-storage-options") if args.out_storage_options
-               else dict(_source_options(args)))
-    with contextlib.closing(open_storage(args.out, options if "://" in args.out else None)) as dest:
+    if args.out_storage_options:
+        options = _json_object(args.out_storage_options, "--out-storage-options")
+    else:  # the source's, where --out is a URL too
+        options = _source_options(args) if "://" in args.out else {}
+    with contextlib.closing(open_storage(args.out, options)) as dest:
         report = to_universal(source, resolve(source, args.tag), dest, tag=args.out_tag, workers=args.workers,
                               show_progress=not args.json)
     _emit(args, asdict(report), f"converted {report.source_tag} to universal tag {report.tag} at {report.url}: "
@@ -164,7 +167,11 @@ def _json_object(text: str, flag: str) -> dict[str, Any]:
     for anything else (a list, a number)."""
     from async_ckpt.errors import UsageError
 
-    value = json.loads(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{flag} is not valid JSON ({exc}); write a JSON object such as '{{\"anon\": true}}', "
+                         "in single quotes in the shell") from exc
     if not isinstance(value, dict):
         raise UsageError(f"{flag} must be a JSON object of fsspec options, such as '{{\"anon\": true}}', "
                          f"got {type(value).__name__}: {text}")
@@ -302,14 +309,16 @@ def main(argv: list[str] | None = None) -> int:
         import deepspeed  # noqa: F401
     try:
         return args.func(args)
-    except (AsyncCkptError, json.JSONDecodeError, FileNotFoundError) as exc:
+    except (AsyncCkptError, FileNotFoundError) as exc:
         print(f"async-ckpt {args.command}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:
         if not _unreachable(exc):
             raise
-        print(f"async-ckpt {args.command}: cannot read {getattr(args, 'url', 'the checkpoint')}: "
-              f"{type(exc).__name__}: {str(exc).rstrip('.')}. Check the URL, --endpoint and the credentials", file=sys.stderr)
+        output = getattr(args, "dest", None) or getattr(args, "out", None)
+        where = (getattr(args, "url", None) or "the checkpoint") + (f" or write to {output}" if output else "")
+        print(f"async-ckpt {args.command}: cannot read {where}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
+              f"Check the URL{', the output path' if output else ''}, --endpoint and the credentials", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

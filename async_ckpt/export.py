@@ -58,6 +58,8 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
         raise UsageError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     if max_shard_bytes <= 0:
         raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UsageError(f"--out {out_dir} is a file; export into a new or empty folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

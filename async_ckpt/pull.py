@@ -98,6 +98,8 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     local = storage.local_dir()
     if local is not None and os.path.realpath(local) == os.path.realpath(dest):
         raise UsageError(f"--dest {dest} is the checkpoint root itself; pull into another folder")
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise UsageError(f"--dest {dest} is a file; pull into a folder")
     paths = [f.path for f in manifest.files]
     if rank is not None:
         if not 0 <= rank < manifest.world_size:

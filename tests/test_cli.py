@@ -193,6 +193,48 @@ def test_storage_options_that_are_not_a_json_object_are_refused_naming_the_flag(
     assert os.listdir(tmp_path) == []
 
 
+def test_storage_options_that_are_not_json_are_refused_naming_the_flag(local_root, capsys):
+    code, _, err = run_cli(capsys, "ls", "s3://bucket/run", "--storage-options", "{bad")
+    assert code == 2 and "--storage-options is not valid JSON" in err
+
+
+def test_storage_options_for_a_local_root_are_refused(local_root, capsys):
+    code, _, err = run_cli(capsys, "ls", str(local_root), "--storage-options", '{"anon": true}')
+    assert code == 2 and "do not apply to the local path" in err
+
+
+def test_an_empty_url_is_refused(capsys):
+    code, _, err = run_cli(capsys, "ls", "")
+    assert code == 2 and "the checkpoint URL is empty" in err
+
+
+def test_s3_options_the_client_refuses_are_a_clear_error_not_a_traceback(capsys):
+    code, _, err = run_cli(capsys, "ls", "s3://bucket/run", "--storage-options", '{"endpoint": "http://127.0.0.1:9"}')
+    assert code == 2 and "storage_options for s3://bucket/run are invalid" in err and "endpoint_url" in err
+
+
+@pytest.mark.parametrize("argv", [("export", "--out"), ("pull", "--dest")])
+def test_an_output_folder_that_is_a_file_is_refused_naming_the_flag(argv, local_root, capsys, tmp_path):
+    plain = tmp_path / "plain-file"
+    plain.write_text("x")
+    code, _, err = run_cli(capsys, argv[0], str(local_root), argv[1], str(plain))
+    assert code == 2 and f"{argv[1]} {plain} is a file" in err
+    assert plain.read_text() == "x"
+
+
+def test_to_universal_into_an_unwritable_out_fails_before_converting(local_root, capsys, tmp_path, monkeypatch):
+    from async_ckpt import universal
+
+    def convert(*args):
+        raise AssertionError("ds_to_universal ran before --out was found unwritable")
+
+    monkeypatch.setattr(universal, "_run_ds_to_universal", convert)
+    plain = tmp_path / "plain-file"
+    plain.write_text("x")
+    code, _, err = run_cli(capsys, "to-universal", str(local_root), "--out", str(plain / "universal"))
+    assert code == 2 and f"cannot write checkpoints to {plain / 'universal'}" in err
+
+
 def test_pull_shows_a_byte_progress_bar_on_stderr(local_root, capsys, tmp_path):
     code, out, err = run_cli(capsys, "pull", str(local_root), "--dest", str(tmp_path / "pulled"))
     assert code == 0 and "pulled second" in out
