@@ -62,6 +62,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveS
 
 from async_ckpt.catalog import holds_files
 from async_ckpt.checkpointer import AsyncCheckpointer, wrap
+from async_ckpt.config import CheckpointConfig
 from async_ckpt.errors import UsageError
 from async_ckpt.layout import LATEST, MANIFEST
 from async_ckpt.storage import open_storage
@@ -79,6 +80,8 @@ class AsyncCheckpointCallback(TrainerCallback):
     """
 
     def __init__(self, trainer: Trainer, **options: Any) -> None:
+        if not isinstance(trainer, Trainer):
+            raise UsageError(f"enable() takes a transformers.Trainer, got {type(trainer).__name__}")
         for name in ("keep_last", "keep_every"):
             if options.get(name) is not None:
                 raise UsageError(f"{name} does not apply under Trainer: every checkpoint-N folder holds one tag. "
@@ -95,6 +98,12 @@ class AsyncCheckpointCallback(TrainerCallback):
         if not trainer.is_deepspeed_enabled:
             raise UsageError("this Trainer does not train with DeepSpeed: pass TrainingArguments(deepspeed=ds_config) "
                              "(a dict or a JSON path), and do not set use_cpu=True, which turns DeepSpeed off")
+        if "url" in options:
+            raise UsageError("url does not apply under Trainer: checkpoints go to TrainingArguments.output_dir")
+        try:  # checked now, not at train()'s start after the model and DeepSpeed are set up
+            CheckpointConfig(url=args.output_dir, **{k: v for k, v in options.items() if k != "tokenizer"})
+        except TypeError as exc:
+            raise UsageError(f"enable(): {exc}; see async_ckpt.CheckpointConfig for the options") from exc
         self._trainer = trainer
         self._options = options
         self.checkpointer: AsyncCheckpointer | None = None
@@ -194,6 +203,8 @@ def last_committed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
     ``trainer.train(resume_from_checkpoint=...)`` instead of ``True``, which takes the
     highest-numbered folder even when a crash cut its save short; ``None`` starts from scratch.
     """
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise UsageError(f"output_dir must be a folder path, got {output_dir!r}")
     for _, folder in reversed(_checkpoint_folders(output_dir)):
         if _committed_tag(folder) and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
             return folder

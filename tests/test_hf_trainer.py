@@ -16,7 +16,7 @@ import os
 import pytest
 
 import hf_tasks
-from async_ckpt import UsageError
+from async_ckpt import ConfigError, UsageError
 from async_ckpt.cli import main as cli_main
 from async_ckpt.hf_trainer import _saved_tag, enable, last_committed_checkpoint
 
@@ -178,6 +178,26 @@ def test_enable_refuses_hub_uploads_of_unwritten_checkpoint_folders(cpu_trainer,
     monkeypatch.setattr(cpu_trainer.args, "hub_strategy", "checkpoint")
     with pytest.raises(UsageError, match="hub_strategy='every_save'"):
         enable(cpu_trainer)
+
+
+@pytest.mark.parametrize("options,error,names", [(dict(on_eror="raise"), UsageError, "on_eror"),
+                                                 (dict(part_size=1), ConfigError, "part_size"),
+                                                 (dict(url="s3://bucket/run"), UsageError, "output_dir"),
+                                                 (dict(storage_options={"anon": True}), ConfigError, "local path")])
+def test_enable_refuses_a_bad_option_before_train_begins(cpu_trainer, monkeypatch, options, error, names):
+    monkeypatch.setattr(cpu_trainer, "is_deepspeed_enabled", True)  # as with a DeepSpeed config
+    with pytest.raises(error, match=names):
+        enable(cpu_trainer, **options)
+
+
+def test_enable_refuses_what_is_not_a_trainer():
+    with pytest.raises(UsageError, match="takes a transformers.Trainer, got object"):
+        enable(object())
+
+
+def test_last_committed_checkpoint_refuses_what_is_not_a_folder_path():
+    with pytest.raises(UsageError, match="output_dir must be a folder path"):
+        last_committed_checkpoint(None)
 
 
 def test_a_tag_folder_that_an_aborted_save_left_without_files_is_no_saved_checkpoint(tmp_path):
