@@ -206,9 +206,11 @@ class CheckpointConfig:
         if self.synchronous and self.local_tier is not None:
             raise ConfigError("synchronous=True makes every save wait until it is committed at url, so local_tier "
                               "would shorten no save: drop one of them")
-        if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir).strip() \
-                or _local_path(os.fspath(self.cache_dir)) is None:
-            raise ConfigError(f"cache_dir must be a local folder path, got {self.cache_dir!r}")
+        cache_dir = _local_path(os.fspath(self.cache_dir)) if isinstance(self.cache_dir, (str, os.PathLike)) else None
+        if not cache_dir or cache_dir != cache_dir.strip():
+            raise ConfigError(f"cache_dir must be a local folder path, with no surrounding whitespace, got "
+                              f"{self.cache_dir!r}")
+        object.__setattr__(self, "cache_dir", cache_dir)
 
     @property
     def effective_wait_timeout_s(self) -> float:
@@ -224,8 +226,10 @@ class CheckpointConfig:
 
     def _check_local_tier(self) -> None:
         """A local folder apart from ``url``: the tiers keep manifests and ``latest`` of their own."""
-        if not isinstance(self.local_tier, (str, os.PathLike)) or not os.fspath(self.local_tier).strip():
-            raise ConfigError(f"local_tier must be a local folder path, got {self.local_tier!r}")
+        if not isinstance(self.local_tier, (str, os.PathLike)) or not os.fspath(self.local_tier).strip() \
+                or os.fspath(self.local_tier) != os.fspath(self.local_tier).strip():
+            raise ConfigError(f"local_tier must be a local folder path, with no surrounding whitespace, got "
+                              f"{self.local_tier!r}")
         path = _local_path(os.fspath(self.local_tier))
         if path is None:
             raise ConfigError(f"local_tier must be a node-local folder (NVMe, /dev/shm), not a URL: "
@@ -241,9 +245,11 @@ class CheckpointConfig:
 
 
 def _local_path(url: str) -> str | None:
-    """The local path ``url`` names (a plain path, or ``file://``), or ``None`` for any other URL."""
-    if url.startswith("file://"):
-        return url[len("file://"):]
+    """The local path ``url`` names (a plain path, ``file://`` or ``local://``, as open_storage takes them), or
+    ``None`` for any other URL."""
+    for scheme in ("file://", "local://"):
+        if url.startswith(scheme):
+            return url[len(scheme):]
     return None if "://" in url else url
 
 
@@ -257,9 +263,11 @@ def _integer(name: str, value: Any, minimum: int | None = None, maximum: int | N
 
 
 def timeout_argument(name: str, value: Any) -> float | None:
-    """A call's ``timeout`` (``wait(timeout=...)``): ``None``, or seconds from 0 to ``_LONGEST_S``; else
+    """A call's ``timeout`` (``wait(timeout=...)``): ``None``, or seconds >= 0 (infinity: no limit); else
     :class:`ConfigError` naming it, before the wait (a NaN would never run out, a string fail mid-wait)."""
-    return None if value is None else _number(name, value, minimum=0)
+    if value is None or value == float("inf"):
+        return value
+    return _number(name, value, minimum=0)
 
 
 def _number(name: str, value: Any, *, minimum: float, exclusive: bool = False) -> float:

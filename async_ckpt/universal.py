@@ -47,7 +47,9 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
     if manifest.universal:
         raise UsageError(f"tag {manifest.tag!r} is already a universal checkpoint")
     out_tag = validate_tag(tag or f"{manifest.tag}_universal")
-    dest.probe()  # an --out that cannot be written fails now, not after the conversion
+    # An --out that cannot be written fails now, not after the conversion. A refusal below leaves no new
+    # folder: a tag it refuses is in --out, which therefore existed.
+    dest.probe()
     if read_manifest(dest, out_tag) is not None:
         raise TagExistsError(f"tag {out_tag!r} already exists at {dest.url}; pass another --out-tag or remove it")
     if holds_files(dest, out_tag) and not started_here(dest, out_tag):

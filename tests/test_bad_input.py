@@ -155,6 +155,10 @@ def test_wait_all_refuses_a_timeout_that_is_not_a_number_of_seconds(timeout):
         async_ckpt.wait_all(timeout=timeout)
 
 
+def test_an_infinite_wait_timeout_means_no_limit():
+    async_ckpt.wait_all(timeout=float("inf"))  # no checkpointer is open in this process: returns at once
+
+
 @pytest.mark.parametrize("kwargs", [dict(url=""), dict(url="x", part_size=1024), dict(url="x", max_concurrency=0),
                                     dict(url="x", upload_threads=0), dict(url="x", upload_threads=True),
                                     dict(url="x", commit_timeout_s=0), dict(url="x", keep_last=True),
@@ -195,10 +199,24 @@ def test_synchronous_saves_with_a_local_tier_are_refused():
         CheckpointConfig(url="s3://bucket/run1", synchronous=True, local_tier="/tmp/tier")
 
 
-@pytest.mark.parametrize("cache_dir", ["s3://bucket/cache", "  ", ""])
+@pytest.mark.parametrize("cache_dir", ["s3://bucket/cache", "  ", "", " /tmp/cache"])
 def test_a_cache_dir_that_is_not_a_local_folder_is_refused(cache_dir):
     with pytest.raises(ConfigError, match="cache_dir must be a local folder path"):
         CheckpointConfig(url="s3://bucket/run1", cache_dir=cache_dir)
+
+
+@pytest.mark.parametrize("local_tier", [" /tmp/tier", "/tmp/tier "])
+def test_a_local_tier_with_surrounding_whitespace_is_refused(local_tier):
+    with pytest.raises(ConfigError, match="local_tier must be a local folder path, with no surrounding whitespace"):
+        CheckpointConfig(url="s3://bucket/run1", local_tier=local_tier)
+
+
+def test_a_file_url_cache_dir_is_kept_as_its_path():
+    assert CheckpointConfig(url="s3://bucket/run1", cache_dir="file:///tmp/cache").cache_dir == "/tmp/cache"
+
+
+def test_s3s_largest_part_is_a_valid_part_size():
+    assert CheckpointConfig(url="s3://bucket/run1", part_size=5 * 1024**3).part_size == 5 * 1024**3
 
 
 def test_a_local_tier_inside_a_file_url_is_refused_as_overlapping():

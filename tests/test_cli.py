@@ -198,9 +198,25 @@ def test_storage_options_that_are_not_json_are_refused_naming_the_flag(local_roo
     assert code == 2 and "--storage-options is not valid JSON" in err
 
 
-def test_storage_options_for_a_local_root_are_refused(local_root, capsys):
-    code, _, err = run_cli(capsys, "ls", str(local_root), "--storage-options", '{"anon": true}')
-    assert code == 2 and "do not apply to the local path" in err
+@pytest.mark.parametrize("flag", [("--storage-options", '{"anon": true}'), ("--endpoint", "http://127.0.0.1:9")])
+def test_storage_options_for_a_local_root_are_refused_naming_the_flags(flag, local_root, capsys):
+    code, _, err = run_cli(capsys, "ls", str(local_root), *flag)
+    assert code == 2 and "--storage-options and --endpoint are for an object store" in err
+
+
+def test_to_universal_from_a_local_root_gives_the_endpoint_to_an_object_store_out(local_root, capsys, monkeypatch):
+    from async_ckpt import universal
+
+    opened = {}
+
+    def convert(source, manifest, dest, **kwargs):
+        opened.update(source=source.local_dir(), dest=dest.fs.endpoint_url)
+        return universal.UniversalReport(manifest.tag, "u", dest.url, 0, 0, 0.0)
+
+    monkeypatch.setattr(universal, "to_universal", convert)
+    code, _, _ = run_cli(capsys, "to-universal", str(local_root), "--out", "s3://bucket/u", "--endpoint",
+                         "http://127.0.0.1:9")
+    assert code == 0 and opened == {"source": str(local_root), "dest": "http://127.0.0.1:9"}
 
 
 def test_an_empty_url_is_refused(capsys):

@@ -327,3 +327,10 @@ def test_a_backend_whose_client_library_is_missing_is_a_config_error_naming_it()
 def test_s3_options_that_the_client_refuses_are_a_config_error_when_opened(options, names):
     with pytest.raises(ConfigError, match=names):
         open_storage("s3://bucket/run", options)
+
+
+@pytest.mark.parametrize("options,names", [({"key": "only-the-key"}, "PartialCredentialsError"),
+                                           ({"profile": "no-such-profile-here"}, "ProfileNotFound")])
+def test_s3_credentials_botocore_cannot_resolve_are_a_storage_error_when_opened(options, names):
+    with pytest.raises(StorageError, match=f"cannot open s3://bucket/run: {names}.*Check the credentials"):
+        open_storage("s3://bucket/run", options)

@@ -211,11 +211,14 @@ class S3Storage(FsspecStorage):
         config_kwargs = dict(config_kwargs)
         config_kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # retries are ours
         fs = s3fs.S3FileSystem(config_kwargs=config_kwargs, **options)
-        try:  # s3fs hands options it does not know to the botocore session, which refuses them only here
+        try:  # the client is made here: options s3fs does not know and unusable credentials fail now, typed
             fs.connect()
-        except TypeError as exc:
-            raise ConfigError(f"storage_options for {url} are invalid: {exc} (the endpoint is 'endpoint_url', "
-                              "credentials 'key' and 'secret'; see s3fs.S3FileSystem)") from exc
+        except TypeError as exc:  # s3fs hands options it does not know to the botocore session
+            raise ConfigError(f"storage_options for {url} are invalid: {exc} (s3fs takes e.g. 'endpoint_url', 'key' "
+                              "and 'secret', and botocore Config options inside 'config_kwargs')") from exc
+        except Exception as exc:  # credentials botocore cannot resolve: a key without its secret, a missing profile
+            raise StorageError(f"cannot open {url}: {type(exc).__name__}: {exc}. Check the credentials in "
+                               "storage_options or the environment (AWS_PROFILE, AWS_ACCESS_KEY_ID...)") from exc
         super().__init__(fs, fs._strip_protocol(url), url.rstrip("/"))
         self.bucket, _, self.prefix = self.root.partition("/")
         self.part_size = part_size or 16 * MiB
