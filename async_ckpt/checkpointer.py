@@ -274,8 +274,8 @@ class AsyncCheckpointer:
 
         ``tag`` defaults to the newest committed tag (normally the one ``latest`` names; see
         :func:`async_ckpt.resume.resolve` for what happens after a crash). The files every rank
-        reads are verified against the manifest first; on a mismatch this raises
-        :class:`VerificationError`, or with ``fallback=True`` every rank moves to the previous
+        reads are verified against the manifest first; on a mismatch (or a file missing from storage)
+        this raises :class:`VerificationError`, or with ``fallback=True`` every rank moves to the previous
         committed tag. Returns ``(tag, client_state)``.
 
         An engine configured with ``"checkpoint": {"load_universal": true}`` loads universal tags
@@ -326,19 +326,21 @@ class AsyncCheckpointer:
                                     load_module_strict=load_module_strict)
 
     def _agreed_manifest(self, what: str, find: Callable[[], Manifest | None]) -> Manifest | None:
-        """``find()`` on every rank, which must all find the same tag: a rank whose read failed raises on
+        """``find()`` on every rank, which must all find the same save: a rank whose read failed raises on
         every rank (not only its own, which would leave the others waiting in the next collective), and
-        ranks that found different tags (another job committing there meanwhile) are refused rather than
-        each loading its own. Only the tags are gathered, not the manifests."""
+        ranks that found different tags, or different saves of one tag (another job committing or
+        overwriting there meanwhile), are refused rather than each loading its own. Only the tags and
+        save ids are gathered, not the manifests."""
         found: list[Manifest | None] = []
 
-        def tag_found() -> str | None:
+        def save_found() -> tuple[str, str] | None:
             found.append(find())
-            return found[0].tag if found[0] is not None else None
+            return (found[0].tag, found[0].save_id) if found[0] is not None else None
 
-        tags = set(self._gather_checked(what, tag_found))
-        if len(tags) > 1:
-            raise StorageError(f"the ranks found different tags at {self.storage.url} ({sorted(map(str, tags))}): "
+        saves = set(self._gather_checked(what, save_found))
+        if len(saves) > 1:
+            named = sorted(f"{save[0]} (save {save[1] or '?'})" if save else "none" for save in saves)
+            raise StorageError(f"the ranks found different checkpoints at {self.storage.url} ({', '.join(named)}): "
                                "is another job saving there? Stop it, or pass tag= to load()")
         return found[0]
 
@@ -383,18 +385,19 @@ class AsyncCheckpointer:
             logger.warning("rank %d: %s; falling back to an older tag", self.rank, problems[0])
             unreadable = unreadable or problems[0]
             failed = chosen
-        self._check_compatible(manifest)
         return self._deepspeed_load(load_dir, manifest, source, **options)
 
     def _nearest_copy(self, tag: str, in_local: bool, in_durable: bool, dp_rank: int,
                       mp_rank: int) -> tuple[str, Manifest, str]:
-        """``(folder to load from, manifest, where)`` of the first tier holding this rank's files intact."""
+        """``(folder to load from, manifest, where)`` of the first tier holding this rank's files intact; a
+        layout this job cannot load is refused before any file is read or fetched."""
         why = "this node's local tier does not hold this save of it committed"
         if in_local:
             manifest = read_manifest(self._local, tag)
             try:
                 if manifest is None:
                     raise CheckpointNotFoundError(f"tag {tag!r} is no longer committed in {self._local.url}")
+                self._check_compatible(manifest)
                 if self.config.verify_on_load:
                     check_for_rank(self._local, manifest, dp_rank, mp_rank)
                 log_tier(self.rank, tag, "local", self._local.url)
@@ -407,6 +410,7 @@ class AsyncCheckpointer:
         manifest = read_manifest(self.storage, tag)
         if manifest is None:
             raise CheckpointNotFoundError(f"tag {tag!r} is no longer committed at {self.storage.url}")
+        self._check_compatible(manifest)
         if self.config.verify_on_load and self.storage.local_dir() is not None:
             check_for_rank(self.storage, manifest, dp_rank, mp_rank)
         load_dir, self.last_fetch = fetch_for_rank(self.storage, manifest, dp_rank, self.config.cache_dir,
@@ -1033,7 +1037,11 @@ class AsyncCheckpointer:
             "versions": {"async_ckpt": _version, "deepspeed": deepspeed.__version__, "torch": torch.__version__},
         }
 
-    def _dp_rank(self) -> int:
+    def _dp_rank(self) -> int | None:
+        """The data-parallel rank whose shards this rank reads on load; ``None`` under ZeRO's
+        ``elastic_checkpoint``, with which DeepSpeed reads every rank's optimizer shard on every rank."""
+        if self.engine.zero_elastic_checkpoint():
+            return None
         group = getattr(self.engine.optimizer, "dp_process_group", None)
         return dist.get_rank(group=group) if dist.is_initialized() else 0
 

@@ -87,8 +87,9 @@ def deletion_mark(tag: str) -> str:
     return f"{DELETION_MARKS}/{tag}"
 
 
-def files_for_rank(paths: list[str], dp_rank: int, mp_rank: int | None = None) -> list[str]:
-    """Of a tag's DeepSpeed files, those rank ``dp_rank`` reads in ``load_checkpoint``.
+def files_for_rank(paths: list[str], dp_rank: int | None, mp_rank: int | None = None) -> list[str]:
+    """Of a tag's DeepSpeed files, those rank ``dp_rank`` reads in ``load_checkpoint`` (``None``: a rank
+    that reads every data-parallel rank's shards, as under ZeRO's ``elastic_checkpoint``).
 
     Files named ``zero_pp_rank_N_`` belong to data-parallel rank N (its optimizer shard, and its
     ZeRO-3 model states); with ``mp_rank``, an optimizer shard (``..._mp_rank_MM_optim_states.pt``)
@@ -103,7 +104,7 @@ def files_for_rank(paths: list[str], dp_rank: int, mp_rank: int | None = None) -
         if not name.endswith(".pt"):
             continue
         owner = _RANK_FILE_RE.search(name)
-        if owner is not None and int(owner.group(1)) != dp_rank:
+        if owner is not None and dp_rank is not None and int(owner.group(1)) != dp_rank:
             continue
         model_parallel = _MP_RANK_RE.search(name)
         if (owner is not None and mp_rank is not None and name.endswith("_optim_states.pt")

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -60,14 +61,18 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
                 progress(entry.size)
             return -1
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = f"{dest}.partial" if resumable else f"{dest}.{os.getpid()}.partial"
+        # a name of its own per fetch: ranks of a node, or nodes sharing a cache_dir, may fetch one file at once
+        tmp = f"{dest}.partial" if resumable else f"{dest}.{uuid.uuid4().hex}.partial"
         try:
             storage.get_file(f"{manifest.tag}/{entry.path}", tmp, progress=progress, resume=resumable)
-        except BaseException:
+        except BaseException as exc:
             if not resumable:  # nobody will resume it
                 for leftover in (tmp, f"{tmp}.parts"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(leftover)
+            if isinstance(exc, FileNotFoundError):  # a committed file gone from storage: as unreadable as a corrupt one
+                raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: missing from storage; it was "
+                                        "deleted after the commit") from exc
             raise
         check = check_local_file(tmp, entry)
         if not check.ok:

@@ -94,7 +94,7 @@ def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
     return older[-1] if older else None
 
 
-def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, mp_rank: int | None = None) -> None:
+def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, mp_rank: int | None = None) -> None:
     """Verify size and CRC-32 of the files ``dp_rank`` will read; raise naming the first bad one."""
     for path in rank_files(manifest, dp_rank, mp_rank):
         check = check_stored_file(storage, manifest.tag, manifest.entry(path))
@@ -105,7 +105,7 @@ def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, mp_rank: 
                                     "truncated; load another tag or pass fallback=True")
 
 
-def rank_files(manifest: Manifest, dp_rank: int, mp_rank: int | None = None) -> list[str]:
+def rank_files(manifest: Manifest, dp_rank: int | None, mp_rank: int | None = None) -> list[str]:
     """The files of a tag that a rank (``dp_rank``, and ``mp_rank`` under tensor/pipeline parallelism)
     reads when loading it: its share (see :func:`files_for_rank`), or all of a universal tag."""
     paths = [f.path for f in manifest.files]
@@ -114,25 +114,31 @@ def rank_files(manifest: Manifest, dp_rank: int, mp_rank: int | None = None) -> 
     return files_for_rank(paths, dp_rank, mp_rank)
 
 
-def cache_root(cache_dir: str, url: str) -> str:
-    """A cache folder per storage URL, so two runs never share (or clobber) cached files."""
+def cache_root(cache_dir: str, url: str, manifest: Manifest) -> str:
+    """A cache folder per storage URL and save, loaded as a checkpoint root.
+
+    Per URL, so that two runs never share (or clobber) cached files. Per save, so that a tag saved again
+    (``overwrite_tags``, or a new run reusing the URL's tag names) never finds the files of its earlier
+    save beside its own: DeepSpeed's loaders glob the tag folder (``mp_rank_*_model_states.pt``,
+    ``layer_*``) and would merge whatever they find there, files this save does not have included.
+    """
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    return os.path.join(cache_dir, digest)
+    return os.path.join(cache_dir, digest, manifest.save_id or "-")
 
 
-def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int, cache_dir: str,
+def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, cache_dir: str,
                    max_concurrency: int, mp_rank: int | None = None) -> tuple[str, PullReport]:
     """Fetch what ``dp_rank`` needs of ``manifest`` into the cache; return the folder to load from."""
     local = storage.local_dir()
     if local is not None:
         return local, PullReport(tag=manifest.tag, dest=local)
-    root = cache_root(cache_dir, storage.url)
+    root = cache_root(cache_dir, storage.url, manifest)
     wanted = [manifest.entry(p) for p in rank_files(manifest, dp_rank, mp_rank)]
     report = download(storage, manifest, wanted, os.path.join(root, manifest.tag),
                       max_concurrency=max_concurrency, resumable=False)
     with open(os.path.join(root, LATEST), "w") as fh:
         fh.write(manifest.tag)
-    logger.info("rank %d fetched %d file(s), %.3f GB of tag %s (%d already cached) in %.2f s",
-                dp_rank, report.files_fetched, report.bytes_fetched / 1e9, manifest.tag,
+    logger.info("data-parallel rank %s fetched %d file(s), %.3f GB of tag %s (%d already cached) in %.2f s",
+                "(every shard)" if dp_rank is None else dp_rank, report.files_fetched, report.bytes_fetched / 1e9, manifest.tag,
                 report.files_skipped, report.seconds)
     return root, report

@@ -135,3 +135,49 @@ def save_with_credentials_in_options(endpoint: str, bucket: str, key: str, secre
             result = ckpt.save(tag="creds").result(timeout=300)
             shown = [repr(ckpt.config), repr(result), str(ckpt.storage.url)]
     return {"logs": lines, "shown": shown}
+
+
+def resume_after_losses_in_the_bucket(url: str, options: dict, cache_dir: str) -> dict:
+    """Tags 'older' and 'newer' in the bucket, then rank 1's optimizer shard of 'newer' is deleted: a load of
+    'newer' is refused naming it, a load with fallback takes 'older'. Then 'older' is saved again
+    (overwrite_tags): its next load fetches into a cache folder of its own save, apart from the first's."""
+    rank = dist.get_rank()
+    engine = workload.make_engine(2, "fp32")
+    out: dict = {}
+    with async_ckpt.wrap(engine, url, storage_options=options, cache_dir=cache_dir, overwrite_tags=True) as ckpt:
+        ckpt.save(tag="older").result(timeout=120)
+        ckpt.save(tag="newer").result(timeout=120)
+        if rank == 0:
+            lost = next(p for p in ckpt.storage.list_dir("newer") if p.startswith("zero_pp_rank_1_") and "optim" in p)
+            ckpt.storage.delete(f"newer/{lost}")
+        dist.barrier()
+        out["named"] = _outcome(lambda: ckpt.load(tag="newer"))
+        out["fallback"] = ckpt.load(tag="newer", fallback=True)[0]
+        out["first_fetch"] = ckpt.last_fetch.dest
+        ckpt.save(tag="older").result(timeout=120)
+        out["resaved"] = ckpt.load(tag="older")[0]
+        out["second_fetch"] = ckpt.last_fetch.dest
+    return out
+
+
+def resume_elastic_from_bucket(url: str, options: dict, cache_base: str) -> dict:
+    """ZeRO-2 with ``elastic_checkpoint``, with which DeepSpeed reads every rank's optimizer shard on every
+    rank: saved to the bucket, then loaded with an empty cache per rank (as on separate machines); and the
+    same step saved and loaded by stock DeepSpeed on local disk."""
+    import deepspeed
+
+    rank = dist.get_rank()
+    config = workload.ds_config(2, "fp32")
+    config["zero_optimization"]["elastic_checkpoint"] = True
+    model = workload.build_model("tiny")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    workload.train(engine, 1, workload.token_stream(), rank)
+    stock_root = os.path.join(cache_base, "stock")
+    engine.save_checkpoint(stock_root, tag="stock")
+    stock_error = _outcome(lambda: engine.load_checkpoint(stock_root, tag="stock"))
+    with async_ckpt.wrap(engine, url, storage_options=options) as ckpt:
+        ckpt.save(tag="elastic").result(timeout=120)
+    with async_ckpt.wrap(engine, url, storage_options=options, cache_dir=os.path.join(cache_base, f"rank{rank}")) as ckpt:
+        error = _outcome(ckpt.load)
+        fetched = sorted(ckpt.last_fetch.files) if ckpt.last_fetch else []
+    return {"load_error": error, "stock_load_error": stock_error, "fetched": fetched}

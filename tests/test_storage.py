@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import errno
 import os
 import threading
 import time
@@ -334,3 +335,16 @@ def test_s3_options_that_the_client_refuses_are_a_config_error_when_opened(optio
 def test_s3_credentials_botocore_cannot_resolve_are_a_storage_error_when_opened(options, names):
     with pytest.raises(StorageError, match=f"cannot open s3://bucket/run: {names}.*Check the credentials"):
         open_storage("s3://bucket/run", options)
+
+
+def test_s3_download_into_a_full_disk_names_the_local_folder_not_the_network(s3, bucket, tmp_path, monkeypatch):
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024)
+    storage.write_bytes("small.bin", b"x" * 1000)
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(s3_storage.os, "pwrite", disk_full)
+    with pytest.raises(StorageError, match=r"cannot write .*small.bin.*No space left on device. Free space in that "
+                                           r"folder \(on resume: cache_dir\)"):
+        storage.get_file("small.bin", str(tmp_path / "small.bin"))

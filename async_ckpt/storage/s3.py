@@ -39,6 +39,9 @@ from async_ckpt.storage.retry import RetryPolicy
 
 T = TypeVar("T")
 
+#: What writing a downloaded file can fail with that is about the local folder, not the network.
+_LOCAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
+
 #: Files up to this size are buffered in memory that grows with them; larger ones in full parts.
 SMALL_FILE = 1024 * 1024
 
@@ -299,13 +302,25 @@ class S3Storage(FsspecStorage):
             fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
         except (StorageError, FileNotFoundError):
             raise
+        except OSError as exc:
+            if exc.errno in _LOCAL_WRITE_ERRNOS:  # the local file, not the network
+                raise StorageError(f"cannot write {local_path} (downloading s3://{self.bucket}/{key}): "
+                                   f"{exc.strerror}. Free space in that folder (on resume: cache_dir) or make it "
+                                   "writable") from exc
+            raise StorageError(f"cannot download s3://{self.bucket}/{key}: {type(exc).__name__}: {exc}. Check the "
+                               "endpoint, credentials and network") from exc
         except Exception as exc:  # botocore / aiohttp errors left after the retries
             raise StorageError(f"cannot download s3://{self.bucket}/{key}: {type(exc).__name__}: {exc}. Check the "
-                               "endpoint, credentials and network; the download resumes where it stopped") from exc
+                               "endpoint, credentials and network") from exc
 
     async def _download(self, key: str, local_path: str, progress: Progress | None, resume: bool) -> None:
         s3 = await self._client()
-        head = await self.retry.run(f"HEAD {key}", lambda: s3.head_object(Bucket=self.bucket, Key=key))
+        try:
+            head = await self.retry.run(f"HEAD {key}", lambda: s3.head_object(Bucket=self.bucket, Key=key))
+        except Exception as exc:
+            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise FileNotFoundError(f"s3://{self.bucket}/{key} does not exist") from None
+            raise
         size = int(head["ContentLength"])
         journal = PartJournal(f"{local_path}.parts", size, self.part_size, str(head.get("ETag", "")))
         done = journal.load() if resume and os.path.exists(local_path) else set()
