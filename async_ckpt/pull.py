@@ -14,6 +14,7 @@ where it stopped: finished files are skipped and a partly fetched file keeps the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from async_ckpt.errors import UsageError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank, installed_recovery_scripts
@@ -44,18 +46,44 @@ class PullReport:
     files: list[str] = field(default_factory=list)
 
 
+_LOCKS_DIR = ".async_ckpt-fetching"  # beside the files, out of the way of DeepSpeed's globs
+
+
+@contextlib.contextmanager
+def _fetching(tag_dir: str, path: str) -> Iterator[None]:
+    """Hold an exclusive lock on fetching ``path`` into ``tag_dir``'s cache: the ranks of a node that share
+    a cache and need the same file (every rank's model states under ZeRO-1/2) fetch it once; the others
+    wait, then find it cached. Where the filesystem refuses locks, each fetches its own copy as before."""
+    lock_path = os.path.join(tag_dir, _LOCKS_DIR, path.replace("/", "__") + ".lock")
+    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            logger.debug("fetching %s without a lock (%s)", path, exc)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag_dir: str, *,
              max_concurrency: int, resumable: bool, progress: Progress | None = None) -> PullReport:
     """Fetch ``entries`` of ``manifest`` into ``tag_dir``, verified; skip files already correct there.
 
-    ``resumable`` keeps partial files under a stable name for the next attempt; without it each
-    process uses its own temporary name (ranks of one node may fetch the same file into one cache).
+    ``resumable`` keeps partial files under a stable name for the next attempt. Without it (resume's
+    cache, which the ranks of a node may share) each fetch uses a temporary name of its own, and a
+    file is fetched by one process at a time (:func:`_fetching`): the others then find it cached.
     """
     started = time.perf_counter()
     report = PullReport(tag=manifest.tag, dest=tag_dir, files=[e.path for e in entries])
 
     def fetch(entry: FileEntry) -> int:
         dest = os.path.join(tag_dir, *entry.path.split("/"))
+        with contextlib.nullcontext() if resumable else _fetching(tag_dir, entry.path):
+            return fetch_unless_cached(entry, dest)
+
+    def fetch_unless_cached(entry: FileEntry, dest: str) -> int:
         if check_local_file(dest, entry).ok:
             if progress:
                 progress(entry.size)

@@ -181,3 +181,15 @@ def resume_elastic_from_bucket(url: str, options: dict, cache_base: str) -> dict
         error = _outcome(ckpt.load)
         fetched = sorted(ckpt.last_fetch.files) if ckpt.last_fetch else []
     return {"load_error": error, "stock_load_error": stock_error, "fetched": fetched}
+
+
+def resume_with_a_cache_shared_by_the_ranks(url: str, options: dict, cache_dir: str) -> dict:
+    """ZeRO-2 saved to the bucket, then loaded by both ranks into one cache_dir (ranks of one node): each
+    needs its own optimizer shard and the same model-states file."""
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, workload.token_stream(), dist.get_rank())
+    with async_ckpt.wrap(engine, url, storage_options=options) as ckpt:
+        ckpt.save(tag="shared").result(timeout=120)
+    with async_ckpt.wrap(engine, url, storage_options=options, cache_dir=cache_dir) as ckpt:
+        ckpt.load()
+        return asdict(ckpt.last_fetch)

@@ -195,6 +195,17 @@ def test_under_elastic_checkpoint_each_rank_fetches_every_optimizer_shard_and_lo
             f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
 
 
+def test_ranks_sharing_a_cache_fetch_a_file_they_both_read_once(s3, ranks, tmp_path_factory):
+    bucket = s3.make_bucket("shared-cache")
+    cache = tmp_path_factory.mktemp("shared-cache")
+    fetches = ranks.run(s3_tasks.resume_with_a_cache_shared_by_the_ranks, f"s3://{bucket}/run", options(s3.endpoint),
+                        str(cache))
+    assert [sorted(f["files"]) for f in fetches] == [
+        ["mp_rank_00_model_states.pt", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"] for r in (0, 1)]
+    # each rank its own shard; the model states by one rank, found cached by the other
+    assert sum(f["files_fetched"] for f in fetches) == 3 and sum(f["files_skipped"] for f in fetches) == 1
+
+
 @pytest.fixture(scope="module")
 def bad_destinations(s3, ranks):
     bucket = s3.make_bucket("bad-input")
