@@ -360,21 +360,11 @@ class AsyncCheckpointer:
         views = self._gather_checked("to list the committed tags", lambda: (
             committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None))
         local_views, durable_view = [v[0] for v in views], views[0][1]
-        with contextlib.ExitStack() as holds:  # the node's local retention leaves each tag tried alone
-            result = self._load_tiered_held(tag, local_views, durable_view, holds, fallback=fallback, **options)
-            self._gather(None)  # every rank of the node has read its files before retention may delete them
-        return result
-
-    def _load_tiered_held(self, tag: str | None, local_views: list[dict[str, Any]], durable_view: dict[str, Any],
-                          holds: contextlib.ExitStack, *, fallback: bool, **options: bool) -> tuple[str, dict]:
-        """:meth:`_load_tiered` once the views are gathered; each tag it tries is held in ``holds``."""
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
         unreadable: str | None = None  # the first tag's problem, once fallen back
         failed: str | None = None  # the last tag that could not be read
         while True:
             chosen, why = choose_tag(tag, local_views, durable_view, older_than=failed)
-            if chosen is not None and self._drainer is not None:
-                holds.enter_context(self._drainer.holding([chosen]))
             if chosen is None and unreadable is not None:
                 raise VerificationError(f"{unreadable}; no older committed tag to fall back to")
             if chosen is None:
@@ -397,7 +387,7 @@ class AsyncCheckpointer:
             failed = chosen
         return self._deepspeed_load(load_dir, manifest, source, **options)
 
-    def _nearest_copy(self, tag: str, in_local: bool, in_durable: bool, dp_rank: int | None,
+    def _nearest_copy(self, tag: str, in_local: bool, in_durable: bool, dp_rank: int,
                       mp_rank: int) -> tuple[str, Manifest, str]:
         """``(folder to load from, manifest, where)`` of the first tier holding this rank's files intact; a
         layout this job cannot load is refused before any file is read or fetched."""

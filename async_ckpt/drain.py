@@ -13,14 +13,13 @@ URL's ``latest`` and tags as they were; the local tier keeps the tag, and the ne
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
 from async_ckpt import commit
 from async_ckpt.errors import SaveFailedError
@@ -96,10 +95,6 @@ class Drainer:
         #: ``Manifest.recency`` of the newest tag this drainer committed at the URL.
         self._newest_drained: tuple[float, int] | None = None
         self._lock = threading.Lock()
-        #: Tags a load is reading from the local tier, which local retention leaves alone; taken with
-        #: ``_prune_lock``, so that a hold waits for a retention pass already deleting.
-        self._held: set[str] = set()
-        self._prune_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"async_ckpt-drainer-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -107,19 +102,6 @@ class Drainer:
         with self._lock:
             self._pending.add(job.tag)
         self._queue.put(job)
-
-    @contextlib.contextmanager
-    def holding(self, tags: Iterable[str]) -> Iterator[None]:
-        """Keep local retention off ``tags`` meanwhile (a load reads them). Entered once any retention pass
-        in progress has ended."""
-        with self._prune_lock:
-            added = set(tags) - self._held  # a tag held already stays held by its first holder
-            self._held |= added
-        try:
-            yield
-        finally:
-            with self._prune_lock:
-                self._held -= added
 
     def in_flight(self) -> set[str]:
         """Tags queued or being drained now."""
@@ -224,8 +206,7 @@ class Drainer:
             self._newest_drained = max(self._newest_drained or job.manifest.recency, job.manifest.recency)
         if target.tier_leader:
             try:
-                with self._prune_lock:
-                    prune_local(target.local, target.durable, target.local_keep_last, frozenset(self._held))
+                prune_local(target.local, target.durable, target.local_keep_last)
             except Exception as exc:
                 logger.warning("local retention on %s failed (%s: %s); older tags stay until the next drain",
                                target.local.url, type(exc).__name__, exc)

@@ -176,17 +176,17 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
     return candidates[0][2], ""
 
 
-def prune_local(local: Storage, durable: Storage, keep: int, held: frozenset[str] = frozenset()) -> list[str]:
+def prune_local(local: Storage, durable: Storage, keep: int) -> list[str]:
     """Delete a node folder's oldest tags beyond ``keep`` that the durable tier holds committed from the
     same save, and any tag it holds from a later save: a copy an overwrite left on this node, which
     restarts never read (:func:`readable_saves`) and which would fill the folder. Never the only copy
-    of a save, never the tag ``latest`` names, never a tag in ``held`` (one being loaded)."""
+    of a save, never the tag ``latest`` names."""
     committed = [info for info in list_tags(local)
                  if info.committed and not info.manifest.universal and not info.manifest.consolidated]
     latest = read_latest(local)
     deleted = []
     for index, info in enumerate(committed):
-        if info.tag == latest or info.tag in held:
+        if info.tag == latest:
             continue
         try:
             durable_manifest = read_manifest(durable, info.tag)

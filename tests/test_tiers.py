@@ -289,15 +289,6 @@ def test_local_retention_never_deletes_a_tag_the_durable_tier_does_not_hold_from
     assert [t for t in ("t1", "t2", "t3", "t4", "t5") if read_manifest(local, t)] == ["t2", "t3", "t4", "t5"]
 
 
-def test_local_retention_leaves_a_tag_being_loaded_alone(tmp_path):
-    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
-    for step, tag in enumerate(["t1", "t2", "t3", "t4"]):
-        commit_by_hand(local, tag, step, save_id=f"save-{tag}")
-        commit_by_hand(durable, tag, step, save_id=f"save-{tag}")
-    assert prune_local(local, durable, keep=2, held=frozenset({"t1"})) == ["t2"]
-    assert read_manifest(local, "t1") is not None
-
-
 def test_only_tags_saved_after_the_urls_newest_are_left_to_drain(tmp_path):
     """t1 is no longer at the URL (its retention deleted it after t3 drained): it is not drained again."""
     local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
