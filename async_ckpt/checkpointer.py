@@ -43,7 +43,7 @@ from async_ckpt.job import SaveJob
 from async_ckpt.layout import MANIFEST, manifest_path, model_parallel_size, validate_tag
 from async_ckpt.manifest import Manifest
 from async_ckpt.pull import PullReport
-from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, resolve
+from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, rank_files, resolve
 from async_ckpt.serialization import in_place
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
@@ -370,13 +370,19 @@ class AsyncCheckpointer:
             if chosen is None:
                 raise CheckpointNotFoundError(f"cannot resume from {self.config.local_tier} (local tier) or "
                                               f"{self.storage.url}: {why}")
-            problem, load_dir, manifest, source = None, None, None, ""
+            problem, refusal, load_dir, manifest, source = None, None, None, None, ""
             try:
                 in_local, in_durable = holds_chosen_save(chosen, local_views[self.rank], local_views, durable_view)
                 load_dir, manifest, source = self._nearest_copy(chosen, in_local, in_durable, dp_rank, mp_rank)
+            except UsageError as exc:  # a layout this job cannot load: raised on every rank below, no fallback
+                refusal = str(exc)
             except (VerificationError, CheckpointNotFoundError, StorageError, OSError) as exc:
                 problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            problems = [p for p in self._gather(problem) if p]
+            gathered = self._gather((problem, refusal))
+            refusals = [r for _, r in gathered if r]
+            if refusals:
+                raise UsageError(refusals[0])
+            problems = [p for p, _ in gathered if p]
             if not problems:
                 break
             if not fallback:
@@ -387,7 +393,7 @@ class AsyncCheckpointer:
             failed = chosen
         return self._deepspeed_load(load_dir, manifest, source, **options)
 
-    def _nearest_copy(self, tag: str, in_local: bool, in_durable: bool, dp_rank: int,
+    def _nearest_copy(self, tag: str, in_local: bool, in_durable: bool, dp_rank: int | None,
                       mp_rank: int) -> tuple[str, Manifest, str]:
         """``(folder to load from, manifest, where)`` of the first tier holding this rank's files intact; a
         layout this job cannot load is refused before any file is read or fetched."""
@@ -400,6 +406,10 @@ class AsyncCheckpointer:
                 self._check_compatible(manifest)
                 if self.config.verify_on_load:
                     check_for_rank(self._local, manifest, dp_rank, mp_rank)
+                else:  # present at least: a node's folder holds its own ranks' shards only
+                    missing = [p for p in rank_files(manifest, dp_rank, mp_rank) if not self._local.exists(f"{tag}/{p}")]
+                    if missing:
+                        raise CheckpointNotFoundError(f"{self._local.url}/{tag} does not hold {missing[0]}")
                 log_tier(self.rank, tag, "local", self._local.url)
                 return self._local.local_dir(), manifest, self._local.url
             except (VerificationError, CheckpointNotFoundError) as exc:

@@ -28,6 +28,11 @@ class StorageError(AsyncCkptError):
     """The destination cannot be read or written (missing, unwritable, unreachable)."""
 
 
+class MissingFileError(StorageError, FileNotFoundError):
+    """A file to fetch does not exist in storage (not a local path that is missing). A load reports a file gone
+    from a committed tag as a :class:`VerificationError`, and with ``fallback=True`` falls back from it."""
+
+
 class SaveFailedError(AsyncCkptError):
     """A background save did not reach a commit. The previous checkpoint is intact."""
 

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from async_ckpt.errors import UsageError, VerificationError
+from async_ckpt.errors import MissingFileError, UsageError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank, installed_recovery_scripts
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
@@ -55,8 +55,13 @@ def _fetching(tag_dir: str, path: str) -> Iterator[None]:
     a cache and need the same file (every rank's model states under ZeRO-1/2) fetch it once; the others
     wait, then find it cached. Where the filesystem refuses locks, each fetches its own copy as before."""
     lock_path = os.path.join(tag_dir, _LOCKS_DIR, path.replace("/", "__") + ".lock")
-    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        logger.debug("fetching %s without a lock (%s)", path, exc)
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -80,7 +85,10 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
 
     def fetch(entry: FileEntry) -> int:
         dest = os.path.join(tag_dir, *entry.path.split("/"))
-        with contextlib.nullcontext() if resumable else _fetching(tag_dir, entry.path):
+        # a file takes its name only once verified (os.replace below), so one that exists needs no lock to check
+        if resumable or os.path.exists(dest):
+            return fetch_unless_cached(entry, dest)
+        with _fetching(tag_dir, entry.path):
             return fetch_unless_cached(entry, dest)
 
     def fetch_unless_cached(entry: FileEntry, dest: str) -> int:
@@ -98,7 +106,7 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
                 for leftover in (tmp, f"{tmp}.parts"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(leftover)
-            if isinstance(exc, FileNotFoundError):  # a committed file gone from storage: as unreadable as a corrupt one
+            if isinstance(exc, MissingFileError):  # a committed file gone from storage: as unreadable as a corrupt one
                 raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: missing from storage; it was "
                                         "deleted after the commit") from exc
             raise

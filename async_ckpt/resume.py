@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 
 from async_ckpt.catalog import inspect_latest, list_tags, read_manifest
 from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
@@ -114,6 +115,9 @@ def rank_files(manifest: Manifest, dp_rank: int | None, mp_rank: int | None = No
     return files_for_rank(paths, dp_rank, mp_rank)
 
 
+_SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")  # as async_ckpt makes them (uuid4 hex); anything else is hashed
+
+
 def cache_root(cache_dir: str, url: str, manifest: Manifest) -> str:
     """A cache folder per storage URL and save, loaded as a checkpoint root.
 
@@ -123,7 +127,9 @@ def cache_root(cache_dir: str, url: str, manifest: Manifest) -> str:
     ``layer_*``) and would merge whatever they find there, files this save does not have included.
     """
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    return os.path.join(cache_dir, digest, manifest.save_id or "-")
+    save = manifest.save_id if _SAVE_ID.fullmatch(manifest.save_id or "") else hashlib.sha256(
+        f"{manifest.tag}\0{manifest.created_unix}\0{manifest.save_id}".encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, digest, save)
 
 
 def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, cache_dir: str,

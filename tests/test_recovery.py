@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import rank_tasks
@@ -92,3 +94,15 @@ def test_keep_last_never_deletes_the_tag_latest_names(ranks, tmp_path):
 def test_keep_every_protects_tags_from_retention(ranks, tmp_path):
     out = ranks.run(rank_tasks.retention, str(tmp_path / "ckpt"), 2, 2)[0]
     assert out["tags"] == ["global_step2", "global_step4", "global_step5"]
+
+
+@pytest.mark.parametrize("save_id", ["../../escape", "/abs/path", "", "a" * 65])
+def test_a_cached_save_stays_in_its_urls_cache_folder_whatever_the_manifests_save_id(save_id, tmp_path):
+    from async_ckpt.manifest import Manifest
+    from async_ckpt.resume import cache_root
+
+    manifest = Manifest(tag="t", step=1, world_size=2, zero_stage=2, dtype="fp32", files=[], save_id=save_id,
+                        created_unix=5.0)
+    root = cache_root(str(tmp_path), "s3://bucket/run", manifest)
+    assert os.path.dirname(os.path.dirname(root)) == str(tmp_path) and "/" not in os.path.basename(root)
+    assert ".." not in os.path.basename(root) and os.path.basename(root) != save_id

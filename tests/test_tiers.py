@@ -243,6 +243,13 @@ def test_fallback_by_default_moves_every_rank_to_the_newest_older_readable_tag(f
     assert [(out["both_broken"], out["newer_repaired"]) for out in fell_back] == [("older", "newer")] * 2
 
 
+def test_without_verification_a_rank_whose_node_lacks_a_file_reads_the_durable_copy(ranks, tmp_path):
+    out = ranks.run(tier_tasks.resume_without_verification_past_a_shard_gone_from_node1, str(tmp_path / "durable"),
+                    str(tmp_path))
+    assert [rank["load"] for rank in out] == [None, None]
+    assert "from the local tier" in out[0]["tiers_used"][0] and "from the durable tier" in out[1]["tiers_used"][0]
+
+
 @pytest.fixture(scope="module", params=[("local_tier", 1), ("drain_listing", 0)], ids=["local_tier", "drain_listing"])
 def failed_wrap(request, ranks, tmp_path_factory):
     """wrap() failed on one rank only (``failing``): its local tier, or its listing of the durable tier."""

@@ -212,6 +212,22 @@ def fallback_in_tiers(durable: str, work: str) -> dict:
     return out
 
 
+def resume_without_verification_past_a_shard_gone_from_node1(durable: str, work: str) -> dict:
+    """verify_on_load=False: tag 'only' saved in tiers and drained, then rank 1's optimizer shard deleted from its
+    node folder: the load reads it from the durable folder rather than hand DeepSpeed a folder without it."""
+    engine = workload.make_engine(STAGE, "fp32", seed=12)
+    with async_ckpt_log() as log, async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank()),
+                                                  verify_on_load=False) as ckpt:
+        ckpt.save(tag="only").result(timeout=120)
+        dist.barrier()
+        if _rank() == 1:
+            os.unlink(os.path.join(node_folder(work, 1), "only", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+        dist.barrier()
+        out = {"load": _outcome(ckpt.load)}
+    out["tiers_used"] = [line for line in log if "resumes" in line and "tier" in line]
+    return out
+
+
 def node_commit_fails_on_node1(durable: str, work: str) -> dict:
     """Node 1's folder holds a directory where DeepSpeed's ``zero_to_fp32.py`` goes, so its leader (rank 1)
     cannot commit tag 't' there, while rank 0's commit of 't' holds."""

@@ -142,7 +142,8 @@ class Storage(abc.ABC):
         """Copy ``relpath`` to a local file.
 
         ``progress(n)`` is called as bytes arrive. With ``resume``, what an interrupted earlier
-        call already wrote to ``local_path`` is kept and only the rest is fetched.
+        call already wrote to ``local_path`` is kept and only the rest is fetched. Raises
+        :class:`~async_ckpt.errors.MissingFileError` where ``relpath`` does not exist.
         """
 
     def local_dir(self) -> str | None:

@@ -15,6 +15,7 @@ from typing import BinaryIO, Iterator
 
 import fsspec
 
+from async_ckpt.errors import MissingFileError
 from async_ckpt.storage.base import IO_CHUNK, Progress, Storage
 
 
@@ -98,7 +99,11 @@ class FsspecStorage(Storage):
                  resume: bool = False) -> None:
         """Sequential copy, so a partial local file is always a valid prefix to resume from."""
         offset = os.path.getsize(local_path) if resume and os.path.exists(local_path) else 0
-        with self.fs.open(self.full_path(relpath), "rb") as src, open(local_path, "ab" if offset else "wb") as dst:
+        try:
+            src_file = self.fs.open(self.full_path(relpath), "rb")
+        except FileNotFoundError as exc:
+            raise MissingFileError(f"{self.url}/{relpath} does not exist") from exc
+        with src_file as src, open(local_path, "ab" if offset else "wb") as dst:
             if offset:
                 src.seek(offset)
                 if progress:

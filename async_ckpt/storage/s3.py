@@ -32,7 +32,7 @@ import fsspec.asyn
 import s3fs
 
 from async_ckpt.config import MAX_PART_SIZE, MiB
-from async_ckpt.errors import ConfigError, StorageError
+from async_ckpt.errors import ConfigError, MissingFileError, StorageError
 from async_ckpt.storage.base import Progress
 from async_ckpt.storage.fsspec_store import FsspecStorage
 from async_ckpt.storage.retry import RetryPolicy
@@ -318,8 +318,9 @@ class S3Storage(FsspecStorage):
         try:
             head = await self.retry.run(f"HEAD {key}", lambda: s3.head_object(Bucket=self.bucket, Key=key))
         except Exception as exc:
-            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise FileNotFoundError(f"s3://{self.bucket}/{key} does not exist") from None
+            response = getattr(exc, "response", None)
+            if isinstance(response, dict) and response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise MissingFileError(f"s3://{self.bucket}/{key} does not exist") from None
             raise
         size = int(head["ContentLength"])
         journal = PartJournal(f"{local_path}.parts", size, self.part_size, str(head.get("ETag", "")))
