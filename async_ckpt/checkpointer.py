@@ -34,9 +34,8 @@ from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, CorruptManifestError,
-                               InvalidTagError,
-                               SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
-                               VerificationError, WaitTimeoutError)
+                               InvalidTagError, SaveFailedError, StorageError, TagExistsError, TagMismatchError,
+                               UsageError, VerificationError, WaitTimeoutError)
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Handshake, Outcome, brief, job_store
 from async_ckpt.job import SaveJob
@@ -407,7 +406,8 @@ class AsyncCheckpointer:
                 if self.config.verify_on_load:
                     check_for_rank(self._local, manifest, dp_rank, mp_rank)
                 else:  # present at least: a node's folder holds its own ranks' shards only
-                    missing = [p for p in rank_files(manifest, dp_rank, mp_rank) if not self._local.exists(f"{tag}/{p}")]
+                    missing = [p for p in rank_files(manifest, dp_rank, mp_rank)
+                               if not self._local.exists(f"{tag}/{p}")]
                     if missing:
                         raise CheckpointNotFoundError(f"{self._local.url}/{tag} does not hold {missing[0]}")
                 log_tier(self.rank, tag, "local", self._local.url)
