@@ -24,14 +24,14 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 def _storage(args: argparse.Namespace, *, options_elsewhere: bool = False) -> Any:
     """The storage of the checkpoint root ``args.url``. ``--storage-options``/``--endpoint`` are for an
     object store: refused with a local root, unless ``options_elsewhere`` (another URL of the command takes them)."""
-    from async_ckpt.storage import open_storage
-
+    from async_ckpt.config import local_path
     from async_ckpt.errors import CheckpointNotFoundError, UsageError
+    from async_ckpt.storage import open_storage
 
     if not args.url.strip():
         raise UsageError("the checkpoint URL is empty; pass the root folder or URL the checkpoints were saved to")
     options = _source_options(args)
-    if options and _is_local(args.url):
+    if options and local_path(args.url) is not None:
         if not options_elsewhere:
             raise UsageError(f"--storage-options and --endpoint are for an object store, but {args.url} is a local "
                              "path: drop them, or write the URL with its scheme (s3://bucket/run)")
@@ -144,6 +144,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _to_universal(args: argparse.Namespace) -> int:
+    from async_ckpt.config import local_path
     from async_ckpt.resume import resolve
     from async_ckpt.storage import open_storage
     from async_ckpt.universal import to_universal
@@ -151,9 +152,9 @@ def _to_universal(args: argparse.Namespace) -> int:
     if args.out_storage_options:
         options = _json_object(args.out_storage_options, "--out-storage-options")
     else:  # the source's, where --out is a URL too
-        options = {} if _is_local(args.out) else _source_options(args)
+        options = {} if local_path(args.out) is not None else _source_options(args)
     # a local source with --out in an object store: --endpoint and --storage-options are for --out
-    source = _storage(args, options_elsewhere=not args.out_storage_options and not _is_local(args.out))
+    source = _storage(args, options_elsewhere=not args.out_storage_options and local_path(args.out) is None)
     with contextlib.closing(open_storage(args.out, options)) as dest:
         report = to_universal(source, resolve(source, args.tag), dest, tag=args.out_tag, workers=args.workers,
                               show_progress=not args.json)
@@ -161,12 +162,6 @@ def _to_universal(args: argparse.Namespace) -> int:
                                 f"{report.files} files, {report.total_bytes / 1e9:.3f} GB in {report.seconds:.1f} s. "
                                 "Load it with checkpoint.load_universal on any number of ranks")
     return EXIT_OK
-
-
-def _is_local(url: str) -> bool:
-    from fsspec.core import split_protocol
-
-    return split_protocol(url)[0] in (None, "file", "local")
 
 
 def _source_options(args: argparse.Namespace) -> dict[str, Any]:

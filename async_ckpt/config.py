@@ -152,17 +152,12 @@ class CheckpointConfig:
     on_save_done: Callable[["SaveHandle"], None] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, (str, os.PathLike)) or not os.fspath(self.url).strip():
-            raise ConfigError(f"url must be a non-empty path or fsspec URL, got {self.url!r}")
-        object.__setattr__(self, "url", os.fspath(self.url))
-        if self.url != self.url.strip():
-            raise ConfigError(f"url {self.url!r} starts or ends with whitespace, which would name another folder; "
-                              "strip it")
+        object.__setattr__(self, "url", _path_text("url", self.url, "a non-empty path or fsspec URL"))
         if self.storage_options is None:
             object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
-        if self.storage_options and _local_path(self.url) is not None:
+        if self.storage_options and local_path(self.url) is not None:
             raise ConfigError(f"storage_options {sorted(self.storage_options)} are for an object store, but url "
                               f"{self.url!r} is a local path, where they would be ignored: write the URL with its "
                               "scheme (s3://bucket/run1), or drop storage_options")
@@ -206,10 +201,9 @@ class CheckpointConfig:
         if self.synchronous and self.local_tier is not None:
             raise ConfigError("synchronous=True makes every save wait until it is committed at url, so local_tier "
                               "would shorten no save: drop one of them")
-        cache_dir = _local_path(os.fspath(self.cache_dir)) if isinstance(self.cache_dir, (str, os.PathLike)) else None
-        if not cache_dir or cache_dir != cache_dir.strip():
-            raise ConfigError(f"cache_dir must be a local folder path, with no surrounding whitespace, got "
-                              f"{self.cache_dir!r}")
+        cache_dir = local_path(_path_text("cache_dir", self.cache_dir, "a local folder path"))
+        if not cache_dir:  # a URL, or file:// naming no folder
+            raise ConfigError(f"cache_dir must be a local folder path, not a URL, got {self.cache_dir!r}")
         object.__setattr__(self, "cache_dir", cache_dir)
 
     @property
@@ -226,17 +220,13 @@ class CheckpointConfig:
 
     def _check_local_tier(self) -> None:
         """A local folder apart from ``url``: the tiers keep manifests and ``latest`` of their own."""
-        if not isinstance(self.local_tier, (str, os.PathLike)) or not os.fspath(self.local_tier).strip() \
-                or os.fspath(self.local_tier) != os.fspath(self.local_tier).strip():
-            raise ConfigError(f"local_tier must be a local folder path, with no surrounding whitespace, got "
-                              f"{self.local_tier!r}")
-        path = _local_path(os.fspath(self.local_tier))
+        path = local_path(_path_text("local_tier", self.local_tier, "a local folder path"))
         if path is None:
             raise ConfigError(f"local_tier must be a node-local folder (NVMe, /dev/shm), not a URL: "
                               f"{self.local_tier!r}; put the object store in url")
         path = os.path.abspath(os.path.expanduser(path))
         object.__setattr__(self, "local_tier", path)
-        url_path = _local_path(self.url)
+        url_path = local_path(self.url)
         if url_path is not None:
             durable = os.path.abspath(os.path.expanduser(url_path))
             if os.path.commonpath([path, durable]) in (path, durable):
@@ -244,7 +234,16 @@ class CheckpointConfig:
                                   "own (each keeps its own manifests and 'latest')")
 
 
-def _local_path(url: str) -> str | None:
+def _path_text(name: str, value: Any, what: str) -> str:
+    """``value`` (a str or path) as text, if it is not empty and has no surrounding whitespace (which would
+    name another folder than meant); else :class:`ConfigError` naming the field and ``what`` it must be."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text.strip() or text != text.strip():
+        raise ConfigError(f"{name} must be {what}, with no surrounding whitespace, got {value!r}")
+    return text
+
+
+def local_path(url: str) -> str | None:
     """The local path ``url`` names (a plain path, ``file://`` or ``local://``, as open_storage takes them), or
     ``None`` for any other URL."""
     for scheme in ("file://", "local://"):

@@ -55,21 +55,18 @@ def _fetching(tag_dir: str, path: str) -> Iterator[None]:
     a cache and need the same file (every rank's model states under ZeRO-1/2) fetch it once; the others
     wait, then find it cached. Where the filesystem refuses locks, each fetches its own copy as before."""
     lock_path = os.path.join(tag_dir, _LOCKS_DIR, path.replace("/", "__") + ".lock")
+    fd = None
     try:
         os.makedirs(os.path.dirname(lock_path), exist_ok=True)
         fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
     except OSError as exc:
         logger.debug("fetching %s without a lock (%s)", path, exc)
-        yield
-        return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            logger.debug("fetching %s without a lock (%s)", path, exc)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag_dir: str, *,

@@ -145,6 +145,6 @@ def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, ca
     with open(os.path.join(root, LATEST), "w") as fh:
         fh.write(manifest.tag)
     logger.info("data-parallel rank %s fetched %d file(s), %.3f GB of tag %s (%d already cached) in %.2f s",
-                "(every shard)" if dp_rank is None else dp_rank, report.files_fetched, report.bytes_fetched / 1e9, manifest.tag,
-                report.files_skipped, report.seconds)
+                "(every shard)" if dp_rank is None else dp_rank, report.files_fetched, report.bytes_fetched / 1e9,
+                manifest.tag, report.files_skipped, report.seconds)
     return root, report

@@ -42,6 +42,12 @@ T = TypeVar("T")
 #: What writing a downloaded file can fail with that is about the local folder, not the network.
 _LOCAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
 
+def _not_found(exc: BaseException) -> bool:
+    """Whether a client error is S3's answer that the key does not exist."""
+    response = getattr(exc, "response", None)
+    return isinstance(response, dict) and response.get("Error", {}).get("Code") in ("NoSuchKey", "404")
+
+
 #: Files up to this size are buffered in memory that grows with them; larger ones in full parts.
 SMALL_FILE = 1024 * 1024
 
@@ -302,14 +308,11 @@ class S3Storage(FsspecStorage):
             fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
         except (StorageError, FileNotFoundError):
             raise
-        except OSError as exc:
-            if exc.errno in _LOCAL_WRITE_ERRNOS:  # the local file, not the network
+        except Exception as exc:  # botocore / aiohttp errors left after the retries, or the local file's
+            if isinstance(exc, OSError) and exc.errno in _LOCAL_WRITE_ERRNOS:  # the local file, not the network
                 raise StorageError(f"cannot write {local_path} (downloading s3://{self.bucket}/{key}): "
                                    f"{exc.strerror}. Free space in that folder (on resume: cache_dir) or make it "
                                    "writable") from exc
-            raise StorageError(f"cannot download s3://{self.bucket}/{key}: {type(exc).__name__}: {exc}. Check the "
-                               "endpoint, credentials and network") from exc
-        except Exception as exc:  # botocore / aiohttp errors left after the retries
             raise StorageError(f"cannot download s3://{self.bucket}/{key}: {type(exc).__name__}: {exc}. Check the "
                                "endpoint, credentials and network") from exc
 
@@ -318,8 +321,7 @@ class S3Storage(FsspecStorage):
         try:
             head = await self.retry.run(f"HEAD {key}", lambda: s3.head_object(Bucket=self.bucket, Key=key))
         except Exception as exc:
-            response = getattr(exc, "response", None)
-            if isinstance(response, dict) and response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            if _not_found(exc):
                 raise MissingFileError(f"s3://{self.bucket}/{key} does not exist") from None
             raise
         size = int(head["ContentLength"])
@@ -405,7 +407,7 @@ class S3Storage(FsspecStorage):
             try:
                 resp = await s3.get_object(Bucket=self.bucket, Key=key)
             except Exception as exc:
-                if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                if _not_found(exc):
                     raise FileNotFoundError(f"s3://{self.bucket}/{key}") from None
                 raise
             async with resp["Body"] as body:
