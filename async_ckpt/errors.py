@@ -64,9 +64,9 @@ class CorruptManifestError(VerificationError):
 
 
 class WaitTimeoutError(AsyncCkptError, TimeoutError):
-    """A bounded wait ran out (``save()`` for the previous save, ``wait()``, ``close()``); the message
-    names the rank, the tag and what was awaited. Raise ``CheckpointConfig.wait_timeout_s`` if the
-    storage is merely slow."""
+    """A bounded wait ran out (``save()`` for the previous save, ``wait()``, ``close()``, a save handle's
+    ``result(timeout=)``); the message names the tag and what was awaited (the rank too, but for a handle's
+    wait). Raise ``CheckpointConfig.wait_timeout_s``, or the timeout given, if the storage is merely slow."""
 
 
 class CheckpointerClosedError(AsyncCkptError, RuntimeError):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+from async_ckpt.errors import WaitTimeoutError
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,14 @@ class SaveHandle:
         return _settles(self._future, timeout)
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        """Block until committed; re-raise the background failure (:class:`SaveFailedError`)."""
-        return self._future.result(timeout)
+        """Block until committed; re-raise the background failure (:class:`SaveFailedError`), or raise
+        :class:`WaitTimeoutError` once ``timeout`` seconds have passed."""
+        return self._bounded(self._future, self._future.result, timeout, "committed")
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Block until committed or failed; the failure (:class:`SaveFailedError`), or ``None``."""
-        return self._future.exception(timeout)
+        """Block until committed or failed; the failure (:class:`SaveFailedError`), or ``None``;
+        :class:`WaitTimeoutError` once ``timeout`` seconds have passed."""
+        return self._bounded(self._future, self._future.exception, timeout, "settled")
 
     def local_done(self) -> bool:
         """Committed on the first tier (the local tier, or the URL without one), or failed."""
@@ -84,8 +88,20 @@ class SaveHandle:
         return _settles(self._local, timeout)
 
     def local_result(self, timeout: float | None = None) -> SaveResult:
-        """Block until committed on the first tier (its ``url`` says which); re-raise its failure."""
-        return self._local.result(timeout)
+        """Block until committed on the first tier (its ``url`` says which); re-raise its failure, or raise
+        :class:`WaitTimeoutError` once ``timeout`` seconds have passed."""
+        return self._bounded(self._local, self._local.result, timeout, "committed on its first tier")
+
+    def _bounded(self, future: Future, call: Callable[[float | None], Any], timeout: float | None, what: str) -> Any:
+        """``call(timeout)``, its timeout raised as the :class:`WaitTimeoutError` every other bounded wait of
+        async_ckpt raises (a subclass of the ``TimeoutError`` that ``Future`` raises), naming the save."""
+        try:
+            return call(timeout)
+        except TimeoutError as exc:
+            if future.done():  # the save's own failure, not this wait's timeout
+                raise
+            raise WaitTimeoutError(f"the save of tag {self.tag!r} to {self.url} was not {what} within {timeout} s; "
+                                   "wait longer, or check the log for a slow or stuck write") from exc
 
     def _commit_local(self, result: SaveResult) -> None:
         if not self._local.done():

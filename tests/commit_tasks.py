@@ -73,7 +73,8 @@ def save_latest_false_then_load(root: str) -> dict:
 
 
 def stuck_previous_save(root: str, gate: str) -> dict:
-    """The first save's write is held: save(), wait() and close() each give up after wait_timeout_s."""
+    """The first save's write is held: save(), wait() and close() each give up after wait_timeout_s, and its
+    handle's result() after the timeout given to it."""
     from faulty_fs import register
 
     register()
@@ -82,6 +83,7 @@ def stuck_previous_save(root: str, gate: str) -> dict:
     first = ckpt.save(tag="first")
     seen = {"save": _outcome(lambda: ckpt.save(tag="second")),
             "wait": _outcome(lambda: ckpt.wait(timeout=1)),
+            "result": _outcome(lambda: first.result(timeout=0.5)),
             "close": _outcome(ckpt.close)}
     seen["engine_given_back"] = "save_checkpoint" not in engine.__dict__
     dist.barrier()

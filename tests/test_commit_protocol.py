@@ -116,6 +116,12 @@ def test_a_stuck_previous_save_makes_the_call_give_up_naming_rank_tag_and_what_i
     assert "previous save" in stuck[0]["save"][1]
 
 
+def test_a_stuck_saves_handle_gives_up_with_the_same_timeout_error_naming_the_tag_and_the_timeout(stuck):
+    for seen in stuck:
+        kind, message = seen["result"]
+        assert kind == "WaitTimeoutError" and "'first'" in message and "within 0.5 s" in message
+
+
 def test_close_gives_the_engine_back_even_when_it_gives_up(stuck):
     assert [r["engine_given_back"] for r in stuck] == [True, True]
 
