@@ -14,7 +14,7 @@ import fsspec
 import pytest
 import torch
 
-from async_ckpt.errors import ConfigError, StorageError
+from async_ckpt.errors import ConfigError, MissingFileError, StorageError
 from async_ckpt.serialization import write_torch_file
 from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage import local as local_storage
@@ -251,6 +251,30 @@ def test_s3_ranged_download_reassembles_the_object(s3, bucket, tmp_path):
     storage.get_file("blob.bin", str(tmp_path / "blob.bin"))
     assert (tmp_path / "blob.bin").read_bytes() == payload
     assert storage.stats.bytes_downloaded == len(payload)
+
+
+def _download_while(s3, bucket, tmp_path, change) -> None:
+    """Download a two-part object one part at a time, calling ``change(client, key)`` once the first part is in."""
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024, max_concurrency=1)
+    storage.write_bytes("blob.bin", b"a" * (10 * 1024 * 1024))
+    changed = []
+
+    def after_a_part(nbytes: int) -> None:
+        if not changed:
+            changed.append(change(s3.client(), "run/blob.bin"))
+
+    storage.get_file("blob.bin", str(tmp_path / "blob.bin"), progress=after_a_part)
+
+
+def test_s3_object_replaced_while_downloaded_fails_the_download_instead_of_mixing_versions(s3, bucket, tmp_path):
+    with pytest.raises(StorageError, match=r"blob.bin was replaced while it was downloaded"):
+        _download_while(s3, bucket, tmp_path,
+                        lambda client, key: client.put_object(Bucket=bucket, Key=key, Body=b"b" * (10 * 1024 * 1024)))
+
+
+def test_s3_object_deleted_while_downloaded_is_a_missing_file_naming_it(s3, bucket, tmp_path):
+    with pytest.raises(MissingFileError, match=r"run/blob.bin was deleted while it was downloaded"):
+        _download_while(s3, bucket, tmp_path, lambda client, key: client.delete_object(Bucket=bucket, Key=key))
 
 
 @pytest.mark.parametrize("kind", ["503", "reset", "stall"])

@@ -42,10 +42,15 @@ T = TypeVar("T")
 #: What writing a downloaded file can fail with that is about the local folder, not the network.
 _LOCAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
 
+def _error_code(exc: BaseException) -> str | None:
+    """The error code of S3's answer that ``exc`` carries (``NoSuchKey``...), or ``None``."""
+    response = getattr(exc, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
 def _not_found(exc: BaseException) -> bool:
     """Whether a client error is S3's answer that the key does not exist."""
-    response = getattr(exc, "response", None)
-    return isinstance(response, dict) and response.get("Error", {}).get("Code") in ("NoSuchKey", "404")
+    return _error_code(exc) in ("NoSuchKey", "404")
 
 
 #: Files up to this size are buffered in memory that grows with them; larger ones in full parts.
@@ -309,6 +314,12 @@ class S3Storage(FsspecStorage):
         except (StorageError, FileNotFoundError):
             raise
         except Exception as exc:  # botocore / aiohttp errors left after the retries, or the local file's
+            if _not_found(exc):  # its HEAD found it: gone since (a lifecycle rule, a delete, a retention pass)
+                raise MissingFileError(f"s3://{self.bucket}/{key} was deleted while it was downloaded") from None
+            if _error_code(exc) in ("PreconditionFailed", "412"):  # every part asks for the ETag its HEAD saw
+                raise StorageError(f"s3://{self.bucket}/{key} was replaced while it was downloaded (its ETag changed); "
+                                   "nothing of the two versions was mixed. Run again once no other job writes "
+                                   "that checkpoint") from None
             if isinstance(exc, OSError) and exc.errno in _LOCAL_WRITE_ERRNOS:  # the local file, not the network
                 raise StorageError(f"cannot write {local_path} (downloading s3://{self.bucket}/{key}): "
                                    f"{exc.strerror}. Free space in that folder (on resume: cache_dir) or make it "
@@ -325,7 +336,10 @@ class S3Storage(FsspecStorage):
                 raise MissingFileError(f"s3://{self.bucket}/{key} does not exist") from None
             raise
         size = int(head["ContentLength"])
-        journal = PartJournal(f"{local_path}.parts", size, self.part_size, str(head.get("ETag", "")))
+        etag = str(head.get("ETag", ""))
+        # each part only from the object the HEAD saw: one replaced meanwhile fails the GET (412), never mixes in
+        same_object = {"IfMatch": etag} if etag else {}
+        journal = PartJournal(f"{local_path}.parts", size, self.part_size, etag)
         done = journal.load() if resume and os.path.exists(local_path) else set()
         if progress and done:
             progress(sum(min(self.part_size, size - start) for start in done))
@@ -339,7 +353,8 @@ class S3Storage(FsspecStorage):
                 end = min(start + self.part_size, size) - 1
                 async with gate:
                     async def get() -> bytes:
-                        resp = await s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}")
+                        resp = await s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}",
+                                                   **same_object)
                         async with resp["Body"] as body:
                             return await body.read()
 
