@@ -33,7 +33,8 @@ class CheckpointConfig:
     Attributes:
         url: destination root: a local/NFS path or any fsspec URL (``s3://bucket/run1``).
         storage_options: passed unchanged to fsspec (endpoint, region, credentials...). Refused
-            with a local ``url``, where they would be ignored (a URL missing its ``s3://``).
+            with a local ``url``, where they would be ignored (a URL missing its ``s3://``), unless
+            every value is ``None`` (options left unset): then they count as none.
         keep_last: keep only this many committed tags, the most recently saved (older ones are
             deleted after a newer commit succeeded; never the one ``latest`` names; after a
             rollback, the abandoned later steps count as older). ``None`` keeps everything.
@@ -157,6 +158,9 @@ class CheckpointConfig:
             object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
+        if local_path(self.url) is not None and not any(v is not None for v in self.storage_options.values()):
+            # options left unset ({"endpoint_url": os.environ.get(...)} where it is not set) mean none
+            object.__setattr__(self, "storage_options", {})
         if self.storage_options and local_path(self.url) is not None:
             raise ConfigError(f"storage_options {sorted(self.storage_options)} are for an object store, but url "
                               f"{self.url!r} is a local path, where they would be ignored: write the URL with its "

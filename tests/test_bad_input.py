@@ -188,6 +188,11 @@ def test_storage_options_with_a_local_url_are_refused_naming_the_missing_scheme(
         CheckpointConfig(url=url, storage_options={"endpoint_url": "http://127.0.0.1:9000"})
 
 
+def test_storage_options_all_unset_with_a_local_url_mean_none():
+    """A script that passes {"endpoint_url": os.environ.get("S3_ENDPOINT")} also saves to a local folder."""
+    assert CheckpointConfig(url="/tmp/run1", storage_options={"endpoint_url": None}).storage_options == {}
+
+
 @pytest.mark.parametrize("url", [" /tmp/run1", "/tmp/run1 ", "s3://bucket/run1\n"])
 def test_a_url_with_surrounding_whitespace_is_refused(url):
     with pytest.raises(ConfigError, match="whitespace"):
