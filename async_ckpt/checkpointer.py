@@ -355,7 +355,11 @@ class AsyncCheckpointer:
     def _load_tiered(self, tag: str | None, *, fallback: bool, **options: bool) -> tuple[str, dict]:
         """:meth:`load` with a local tier: the newest tag every rank can read from some tier, each rank
         reading from the nearest one that holds its files intact (its node's folder after a process
-        restart, the durable URL after a node replacement or a wiped folder), logged per rank."""
+        restart, the durable URL after a node replacement or a wiped folder), logged per rank.
+
+        The node's local retention is paused before the tags are listed (before the collective, so before
+        any rank of the node reads) until the next save's agreement, when every rank is past this load."""
+        self._drainer.pause_retention()  # type: ignore[union-attr]  # a local tier has its drainer
         views = self._gather_checked("to list the committed tags", lambda: (
             committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None))
         local_views, durable_view = [v[0] for v in views], views[0][1]
@@ -605,6 +609,8 @@ class AsyncCheckpointer:
                 problem = exc
         views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),
                                                 brief(problem) if problem else None))
+        if self._drainer is not None:  # every rank of the node is past any load before this save: it read its files
+            self._drainer.resume_retention()
         found = views[0].proposal  # what rank 0 found, on every rank
         overwrites = found is not None and found.committed and (found.replaceable or self.config.overwrite_tags)
         if found is not None:  # before any raise below could drop them; rank 0's tag on every rank

@@ -13,13 +13,14 @@ URL's ``latest`` and tags as they were; the local tier keeps the tag, and the ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from async_ckpt import commit
 from async_ckpt.errors import SaveFailedError
@@ -95,6 +96,10 @@ class Drainer:
         #: ``Manifest.recency`` of the newest tag this drainer committed at the URL.
         self._newest_drained: tuple[float, int] | None = None
         self._lock = threading.Lock()
+        #: Set by a load (:meth:`pause_retention`): local retention deletes nothing. Its lock is held across
+        #: each deletion, so that a pause returns only once a deletion in progress has ended.
+        self._retention_paused = False
+        self._retention_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"async_ckpt-drainer-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -102,6 +107,23 @@ class Drainer:
         with self._lock:
             self._pending.add(job.tag)
         self._queue.put(job)
+
+    def pause_retention(self) -> None:
+        """Local retention deletes no tag until :meth:`resume_retention`: a load may read any tag of the node
+        folder, on any rank of the node, until every rank is past it. Returns once a deletion in progress
+        has ended; the passes it skips are made by later drains."""
+        with self._retention_lock:
+            self._retention_paused = True
+
+    def resume_retention(self) -> None:
+        """Let local retention delete again (the next drain's pass)."""
+        with self._retention_lock:
+            self._retention_paused = False
+
+    @contextlib.contextmanager
+    def _retention_allowed(self) -> Iterator[bool]:
+        with self._retention_lock:
+            yield not self._retention_paused
 
     def in_flight(self) -> set[str]:
         """Tags queued or being drained now."""
@@ -206,7 +228,7 @@ class Drainer:
             self._newest_drained = max(self._newest_drained or job.manifest.recency, job.manifest.recency)
         if target.tier_leader:
             try:
-                prune_local(target.local, target.durable, target.local_keep_last)
+                prune_local(target.local, target.durable, target.local_keep_last, allowed=self._retention_allowed)
             except Exception as exc:
                 logger.warning("local retention on %s failed (%s: %s); older tags stay until the next drain",
                                target.local.url, type(exc).__name__, exc)

@@ -21,17 +21,21 @@ never another save of the tag, and logs which tier it used.
 
 Retention: ``local_keep_last`` tags stay in a node's folder; an older one is deleted only once its
 drain committed it at the URL (the same save), so the local tier never holds the only copy of a tag
-that retention removes. ``keep_last`` applies to the URL as without tiers.
+that retention removes. ``keep_last`` applies to the URL as without tiers. A load pauses a node's
+retention from before its ranks list the tags until the next save (:meth:`~async_ckpt.drain.Drainer.pause_retention`),
+so that no tag is deleted while a rank of the node may still read it; the deletions it skipped are
+made by the next drain.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.commit import delete_tag
@@ -176,11 +180,15 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
     return candidates[0][2], ""
 
 
-def prune_local(local: Storage, durable: Storage, keep: int) -> list[str]:
+def prune_local(local: Storage, durable: Storage, keep: int, *,
+                allowed: Callable[[], ContextManager[bool]] = lambda: contextlib.nullcontext(True)) -> list[str]:
     """Delete a node folder's oldest tags beyond ``keep`` that the durable tier holds committed from the
     same save, and any tag it holds from a later save: a copy an overwrite left on this node, which
     restarts never read (:func:`readable_saves`) and which would fill the folder. Never the only copy
-    of a save, never the tag ``latest`` names."""
+    of a save, never the tag ``latest`` names.
+
+    Each deletion runs inside ``allowed()``, and only where it yields true; where it yields false the
+    pass ends there (a load reads the folder: the next pass deletes what this one left)."""
     committed = [info for info in list_tags(local)
                  if info.committed and not info.manifest.universal and not info.manifest.consolidated]
     latest = read_latest(local)
@@ -203,8 +211,13 @@ def prune_local(local: Storage, durable: Storage, keep: int) -> list[str]:
             why = f"{durable.url} holds a later save of it"
         else:
             continue
-        logger.info("local retention: deleting %s from %s (%s)", info.tag, local.url, why)
-        delete_tag(local, info.tag)
+        with allowed() as may_delete:
+            if not may_delete:
+                logger.info("local retention: leaving %s in %s while a load may read it (%s); a later drain "
+                            "deletes it", info.tag, local.url, why)
+                break
+            logger.info("local retention: deleting %s from %s (%s)", info.tag, local.url, why)
+            delete_tag(local, info.tag)
         deleted.append(info.tag)
     return deleted
 

@@ -4,6 +4,7 @@ tier; a drain cut short by a kill is redone; a full local tier falls back to the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -243,6 +244,11 @@ def test_fallback_by_default_moves_every_rank_to_the_newest_older_readable_tag(f
     assert [(out["both_broken"], out["newer_repaired"]) for out in fell_back] == [("older", "newer")] * 2
 
 
+def test_local_retention_paused_by_a_load_deletes_again_after_the_next_save(ranks, tmp_path):
+    out = ranks.run(tier_tasks.load_then_save_in_tiers, str(tmp_path / "durable"), str(tmp_path))
+    assert [rank["node_tags"] for rank in out] == [["c", "d"]] * 2
+
+
 def test_without_verification_a_rank_whose_node_lacks_a_file_reads_the_durable_copy(ranks, tmp_path):
     out = ranks.run(tier_tasks.resume_without_verification_past_a_shard_gone_from_node1, str(tmp_path / "durable"),
                     str(tmp_path))
@@ -393,3 +399,40 @@ def test_local_retention_deletes_a_node_copy_the_url_holds_a_later_save_of(tmp_p
     local.write_bytes("latest", b"t3")
     assert prune_local(local, durable, keep=2) == ["t2"]
     assert [t for t in ("t1", "t2", "t3") if read_manifest(local, t)] == ["t1", "t3"]
+
+
+def _drain_by_hand(drainer, local, durable, tag):
+    handle = SaveHandle(tag=tag, url=durable.url)
+    drainer.submit(drain.DrainJob(manifest=read_manifest(local, tag), drain_id=f"drain-{tag}", handle=handle))
+    assert handle.result(timeout=60).tag == tag
+
+
+def test_a_load_pauses_local_retention_until_resumed_and_the_next_drain_deletes_what_it_skipped(tmp_path):
+    """A load reads tags of the node folder that retention would delete once a drain ends (a rollback to
+    an older tag while drains run): paused, it deletes none; resumed, the next drain's pass deletes them."""
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    for step, tag in enumerate(["t1", "t2", "t3", "t4"]):
+        commit_by_hand(local, tag, step, save_id=f"save-{tag}", saved_at=1.7e9 + step)
+    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, None, None, 2, True), 60.0,
+                            lambda error, job: None)
+    try:
+        drainer.pause_retention()
+        for tag in ("t1", "t2", "t3"):
+            _drain_by_hand(drainer, local, durable, tag)
+        assert [t for t in ("t1", "t2", "t3", "t4") if read_manifest(local, t)] == ["t1", "t2", "t3", "t4"]
+        drainer.resume_retention()
+        _drain_by_hand(drainer, local, durable, "t4")
+        assert [t for t in ("t1", "t2", "t3", "t4") if read_manifest(local, t)] == ["t3", "t4"]
+    finally:
+        drainer.stop()
+        assert drainer.join(30)
+
+
+def test_local_retention_ends_its_pass_at_the_first_deletion_not_allowed(tmp_path):
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    for step, tag in enumerate(["t1", "t2", "t3", "t4"]):
+        commit_by_hand(local, tag, step, save_id=f"save-{tag}")
+        commit_by_hand(durable, tag, step, save_id=f"save-{tag}")
+    answers = iter([True, False])
+    assert prune_local(local, durable, keep=1, allowed=lambda: contextlib.nullcontext(next(answers))) == ["t1"]
+    assert [t for t in ("t1", "t2", "t3", "t4") if read_manifest(local, t)] == ["t2", "t3", "t4"]
