@@ -406,8 +406,9 @@ def recovery_after_crashes(root: str) -> dict:
     return out
 
 
-def load_manifest_from_other_layout(root: str, field: str, value: int) -> dict:
-    """A committed tag whose manifest says another world size or ZeRO stage (as if saved by another job)."""
+def load_manifest_from_other_layout(root: str, field: str, value: int, *, as_fallback: bool = False) -> dict:
+    """A committed tag 't' whose manifest says another world size or ZeRO stage (as if saved by another job);
+    with ``as_fallback``, loaded as the tag a load(fallback=True) falls back to from a newer corrupt tag 'u'."""
     engine = workload.make_engine(2, "fp32")
     workload.train(engine, 1, _tokens(), _rank())
     with async_ckpt.wrap(engine, root) as ckpt:
@@ -424,7 +425,13 @@ def load_manifest_from_other_layout(root: str, field: str, value: int) -> dict:
                 json.dump(data, fh)
             os.replace(f"{path}.edit", path)
         dist.barrier()
-        return {"load": _outcome(lambda: ckpt.load())}
+        if as_fallback:
+            workload.train(engine, 1, _tokens(), _rank())
+            ckpt.save(tag="u").result(timeout=60)
+            if _rank() == 0:
+                _flip_byte(f"{root}/u/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+            dist.barrier()
+        return {"load": _outcome(lambda: ckpt.load(fallback=as_fallback))}
 
 
 def load_fails_on_one_rank(root: str) -> dict:

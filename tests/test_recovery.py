@@ -66,6 +66,14 @@ def test_manifest_from_another_zero_stage_is_refused(ranks, tmp_path):
     assert kind == "UsageError" and "ZeRO-1" in message and "ZeRO-2" in message
 
 
+def test_a_fallback_to_a_tag_from_another_world_size_is_refused_naming_it(ranks, tmp_path):
+    out = ranks.run(rank_tasks.load_manifest_from_other_layout, str(tmp_path / "ckpt"), "world_size", 4,
+                    as_fallback=True)
+    for rank in out:
+        kind, message = rank["load"]
+        assert kind == "UsageError" and "tag 't' was saved by 4 rank(s)" in message
+
+
 def test_a_load_that_fails_on_one_rank_raises_on_every_rank_instead_of_leaving_the_others_waiting(ranks, tmp_path):
     out = ranks.run(rank_tasks.load_fails_on_one_rank, str(tmp_path / "ckpt"), timeout_s=240)
     assert out[1]["load"][0] == "OSError" and "injected" in out[1]["load"][1]
