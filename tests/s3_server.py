@@ -90,7 +90,8 @@ class FaultProxy:
     hang until ``heal()``: a write that stays in flight, for kill tests; ``held`` counts those
     hanging now (:func:`held_requests`). ``refuse_deletes`` answers every DeleteObjects request with
     an AccessDenied error per key, and deletes nothing, as S3 does for keys a policy protects.
-    Everything else passes through unchanged.
+    ``no_list_permission`` answers 403 AccessDenied where the store answers a GET or HEAD with 404, as S3
+    does for a missing key when the credentials lack s3:ListBucket. Everything else passes through unchanged.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -103,6 +104,7 @@ class FaultProxy:
         self.held = 0
         self.injected = 0
         self.refuse_deletes = False
+        self.no_list_permission = False
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -165,6 +167,12 @@ class FaultProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if resp.status == 404 and self.command in ("GET", "HEAD") and proxy.no_list_permission:
+                    conn.close()
+                    self._answer_xml(403, b"" if self.command == "HEAD" else
+                                     b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+                                     b"<Message>Access Denied</Message></Error>")
+                    return
                 self.send_response(resp.status, resp.reason)
                 for key, value in resp.getheaders():
                     if key.lower() not in ("transfer-encoding", "connection", "content-length"):

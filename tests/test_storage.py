@@ -277,6 +277,18 @@ def test_s3_object_deleted_while_downloaded_is_a_missing_file_naming_it(s3, buck
         _download_while(s3, bucket, tmp_path, lambda client, key: client.delete_object(Bucket=bucket, Key=key))
 
 
+def test_s3_download_denied_for_a_key_names_both_causes_s3_gives_a_403_for(s3, bucket, tmp_path):
+    proxy = FaultProxy(s3.endpoint)
+    proxy.no_list_permission = True
+    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint))
+    try:
+        with pytest.raises(StorageError, match=r"run/missing.bin was denied \(403\).*s3:GetObject.*s3:ListBucket"):
+            storage.get_file("missing.bin", str(tmp_path / "missing.bin"))
+    finally:
+        storage.close()
+        proxy.stop()
+
+
 @pytest.mark.parametrize("kind", ["503", "reset", "stall"])
 def test_s3_upload_survives_transient_part_faults(s3, bucket, kind):
     proxy = FaultProxy(s3.endpoint)

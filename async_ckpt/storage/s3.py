@@ -320,6 +320,11 @@ class S3Storage(FsspecStorage):
                 raise StorageError(f"s3://{self.bucket}/{key} was replaced while it was downloaded (its ETag changed); "
                                    "nothing of the two versions was mixed. Run again once no other job writes "
                                    "that checkpoint") from None
+            if _error_code(exc) in ("403", "AccessDenied"):
+                raise StorageError(f"access to s3://{self.bucket}/{key} was denied (403): the credentials may not read "
+                                   "it (s3:GetObject), or it does not exist and they may not list the bucket "
+                                   "(s3:ListBucket; S3 then answers 403 for a missing key, not 404). Check the "
+                                   "credentials and the bucket policy") from exc
             if isinstance(exc, OSError) and exc.errno in _LOCAL_WRITE_ERRNOS:  # the local file, not the network
                 raise StorageError(f"cannot write {local_path} (downloading s3://{self.bucket}/{key}): "
                                    f"{exc.strerror}. Free space in that folder (on resume: cache_dir) or make it "
