@@ -275,7 +275,8 @@ class AsyncCheckpointer:
         :func:`async_ckpt.resume.resolve` for what happens after a crash). The files every rank
         reads are verified against the manifest first; on a mismatch (or a file missing from storage)
         this raises :class:`VerificationError`, or with ``fallback=True`` every rank moves to the previous
-        committed tag. Returns ``(tag, client_state)``.
+        committed tag; one saved on another layout (world size, ZeRO stage) ends the fallback with a
+        :class:`UsageError`. Returns ``(tag, client_state)``.
 
         An engine configured with ``"checkpoint": {"load_universal": true}`` loads universal tags
         instead (the one ``latest_universal`` names by default; made by ``async-ckpt to-universal``),
@@ -294,9 +295,8 @@ class AsyncCheckpointer:
                                          lambda: resolve(self.storage, tag, universal=self._loads_universal()))
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
         load_dir = None
+        self._check_compatible(manifest)
         while True:
-            self._check_compatible(manifest)  # the tag fallen back to too: the same answer on every rank
-
             def fetch() -> str | None:
                 """This rank's files of ``manifest``, verified and fetched: ``None``, or what failed verification
                 (every rank then falls back together); any other error is raised on every rank."""
@@ -321,6 +321,10 @@ class AsyncCheckpointer:
                 raise VerificationError(first + ("" if not fallback else "; no older committed tag to fall back to"))
             logger.warning("rank %d: %s; falling back to %s", self.rank, first, older.tag)
             manifest = older
+            try:
+                self._check_compatible(manifest)  # the same answer on every rank
+            except UsageError as exc:
+                raise UsageError(f"{exc} (load fell back to it from a tag that failed: {first})") from None
         return self._deepspeed_load(load_dir, manifest, self.storage.url, load_optimizer_states=load_optimizer_states,
                                     load_lr_scheduler_states=load_lr_scheduler_states,
                                     load_module_strict=load_module_strict)
@@ -358,8 +362,10 @@ class AsyncCheckpointer:
         reading from the nearest one that holds its files intact (its node's folder after a process
         restart, the durable URL after a node replacement or a wiped folder), logged per rank.
 
-        The node's local retention is paused before the tags are listed (before the collective, so before
-        any rank of the node reads) until the next save's agreement, when every rank is past this load."""
+        The retention that drains run (each node's, and ``keep_last`` at the URL) is paused from before this
+        rank lists the tags until the next save's agreement (or :meth:`close`), when every rank is past this
+        load: no tag is deleted once any rank reads. A rank that listed its node folder before that node's
+        leader paused may find a tag gone; it then reads the URL's copy, or falls back."""
         self._drainer.pause_retention()  # type: ignore[union-attr]  # a local tier has its drainer
         views = self._gather_checked("to list the committed tags", lambda: (
             committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None))
@@ -450,6 +456,7 @@ class AsyncCheckpointer:
             self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
                           "the background writer thread to stop", self.config.effective_wait_timeout_s)
             if self._drainer is not None:  # every drain has ended: every rank holds the same failures
+                self._drainer.resume_retention()  # a load paused it: the redone drains' retention runs
                 self._handles.extend(self._drainer.retry_failed())
                 self._await_handles(self.config.effective_wait_timeout_s)
         finally:

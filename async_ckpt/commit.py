@@ -20,10 +20,12 @@ grace period has passed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import time
+from typing import Callable, ContextManager
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.handshake import ABORT, COMMIT, HandshakeFailed, HandshakeTimeout, Outcome
@@ -289,7 +291,8 @@ def _after_commit(job: SaveJob, manifest: Manifest) -> list[str]:
     remove_bookkeeping(storage, job.tag)
     if job.keep_last:
         try:
-            apply_retention(storage, job.tag, job.keep_last, job.keep_every)
+            apply_retention(storage, job.tag, job.keep_last, job.keep_every,
+                            allowed=job.retention_allowed or always_allowed)
         except Exception as exc:
             warnings.append(f"retention (keep_last={job.keep_last}) failed ({type(exc).__name__}: {exc}); "
                             "older tags stay until the next save's retention")
@@ -316,11 +319,19 @@ def _later_save_named_by_latest(job: SaveJob, manifest: Manifest) -> str | None:
     return named
 
 
-def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: int | None = None) -> list[str]:
+def always_allowed() -> ContextManager[bool]:
+    """The retention guard of a pass that nothing pauses."""
+    return contextlib.nullcontext(True)
+
+
+def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: int | None = None, *,
+                    allowed: Callable[[], ContextManager[bool]] = always_allowed) -> list[str]:
     """Delete the oldest committed tags beyond ``keep_last``; return what was deleted.
 
     Runs only after a newer commit succeeded. Never deletes the tag just committed, the one
     ``latest`` names, or (with ``keep_every``) a tag whose step is a multiple of ``keep_every``.
+    Each deletion runs inside ``allowed()``, and only where it yields true; where it yields false the
+    pass ends there (a load may read the tags: a later commit's pass deletes what this one left).
     """
     committed = [t for t in list_tags(storage)  # conversions and consolidated saves are kept
                  if t.committed and not t.manifest.universal and not t.manifest.consolidated]
@@ -329,7 +340,12 @@ def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: 
     for info in committed[:-keep_last] if len(committed) > keep_last else []:
         if info.tag in protected or (keep_every and info.manifest.step % keep_every == 0):
             continue
-        logger.info("retention: deleting committed tag %s (keep_last=%d)", info.tag, keep_last)
-        delete_tag(storage, info.tag)
+        with allowed() as may_delete:
+            if not may_delete:
+                logger.info("retention: leaving %s at %s while a load may read it; a later commit deletes it",
+                            info.tag, storage.url)
+                break
+            logger.info("retention: deleting committed tag %s (keep_last=%d)", info.tag, keep_last)
+            delete_tag(storage, info.tag)
         deleted.append(info.tag)
     return deleted

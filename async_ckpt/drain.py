@@ -96,7 +96,7 @@ class Drainer:
         #: ``Manifest.recency`` of the newest tag this drainer committed at the URL.
         self._newest_drained: tuple[float, int] | None = None
         self._lock = threading.Lock()
-        #: Set by a load (:meth:`pause_retention`): local retention deletes nothing. Its lock is held across
+        #: Set by a load (:meth:`pause_retention`): drains' retention deletes nothing. Its lock is held across
         #: each deletion, so that a pause returns only once a deletion in progress has ended.
         self._retention_paused = False
         self._retention_lock = threading.Lock()
@@ -109,9 +109,10 @@ class Drainer:
         self._queue.put(job)
 
     def pause_retention(self) -> None:
-        """Local retention deletes no tag until :meth:`resume_retention`: a load may read any tag of the node
-        folder, on any rank of the node, until every rank is past it. Returns once a deletion in progress
-        has ended; the passes it skips are made by later drains."""
+        """The retention drains run deletes no tag until :meth:`resume_retention` (local retention in the node
+        folder, and on rank 0 ``keep_last`` at the URL): a load may read any of them, on any rank, until
+        every rank is past it. Returns once a deletion in progress has ended; later drains make the
+        deletions it skipped."""
         with self._retention_lock:
             self._retention_paused = True
 
@@ -201,7 +202,8 @@ class Drainer:
                              handle=SaveHandle(tag=job.tag, url=target.durable.url, metrics=dict(metrics)),
                              handshake=Handshake(self._store, f"{job.drain_id}-drain", self._rank, self._world_size),
                              save_latest=job.manifest.sets_latest, keep_last=target.keep_last,
-                             keep_every=target.keep_every, metadata=job.metadata)
+                             keep_every=target.keep_every, metadata=job.metadata,
+                             retention_allowed=self._retention_allowed)
         try:
             entries = self._copy(job)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
@@ -228,7 +230,9 @@ class Drainer:
             self._newest_drained = max(self._newest_drained or job.manifest.recency, job.manifest.recency)
         if target.tier_leader:
             try:
-                prune_local(target.local, target.durable, target.local_keep_last, allowed=self._retention_allowed)
+                prune_local(target.local, target.durable, target.local_keep_last, url_keep_last=target.keep_last,
+                            url_keep_every=target.keep_every, in_flight=self.in_flight() - {job.tag},
+                            allowed=self._retention_allowed)
             except Exception as exc:
                 logger.warning("local retention on %s failed (%s: %s); older tags stay until the next drain",
                                target.local.url, type(exc).__name__, exc)

@@ -65,8 +65,9 @@ class CorruptManifestError(VerificationError):
 
 class WaitTimeoutError(AsyncCkptError, TimeoutError):
     """A bounded wait ran out (``save()`` for the previous save, ``wait()``, ``close()``, a save handle's
-    ``result(timeout=)``); the message names the tag and what was awaited (the rank too, but for a handle's
-    wait). Raise ``CheckpointConfig.wait_timeout_s``, or the timeout given, if the storage is merely slow."""
+    ``result``, ``exception`` and ``local_result`` with a ``timeout``); the message names the tag and what was
+    awaited (the rank too, but for a handle's wait). Raise ``CheckpointConfig.wait_timeout_s``, or the timeout
+    given, if the storage is merely slow."""
 
 
 class CheckpointerClosedError(AsyncCkptError, RuntimeError):

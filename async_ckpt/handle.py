@@ -98,8 +98,8 @@ class SaveHandle:
         try:
             return call(timeout)
         except TimeoutError as exc:
-            if future.done():  # the save's own failure, not this wait's timeout
-                raise
+            if future.done():  # the save's own failure, or it settled as this wait gave up: its outcome
+                return call(0)
             raise WaitTimeoutError(f"the save of tag {self.tag!r} to {self.url} was not {what} within {timeout} s; "
                                    "wait longer, or check the log for a slow or stuck write") from exc
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake
@@ -48,6 +48,9 @@ class SaveJob:
     #: of this rank was cut short and may have left what its cleanup cannot see (an upload whose abort
     #: failed, an object whose completion's reply was lost, a consolidated file's earlier shards).
     keep_mark: bool = False
+    #: ``keep_last`` retention runs each deletion inside ``retention_allowed()``, and only where it yields
+    #: true (a drain's commit while a tiered load reads: :meth:`~async_ckpt.drain.Drainer.pause_retention`).
+    retention_allowed: Callable[[], ContextManager[bool]] | None = None
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
     _reads: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -21,24 +21,23 @@ never another save of the tag, and logs which tier it used.
 
 Retention: ``local_keep_last`` tags stay in a node's folder; an older one is deleted only once its
 drain committed it at the URL (the same save), so the local tier never holds the only copy of a tag
-that retention removes. ``keep_last`` applies to the URL as without tiers. A load pauses a node's
-retention from before its ranks list the tags until the next save (:meth:`~async_ckpt.drain.Drainer.pause_retention`),
-so that no tag is deleted while a rank of the node may still read it; the deletions it skipped are
-made by the next drain.
+that retention removes. ``keep_last`` applies to the URL as without tiers. A load pauses the
+retention that drains run (a node's, and ``keep_last`` at the URL) until the next save
+(:meth:`~async_ckpt.drain.Drainer.pause_retention`), so that a drain ending meanwhile deletes no tag
+a rank may still read; later drains make the deletions it skipped.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, Collection, ContextManager
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
-from async_ckpt.commit import delete_tag
+from async_ckpt.commit import always_allowed, delete_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.storage.base import Storage
 
@@ -180,12 +179,18 @@ def choose_tag(tag: str | None, local_views: list[dict[str, Any]], durable_view:
     return candidates[0][2], ""
 
 
-def prune_local(local: Storage, durable: Storage, keep: int, *,
-                allowed: Callable[[], ContextManager[bool]] = lambda: contextlib.nullcontext(True)) -> list[str]:
+def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: int | None = None,
+                url_keep_every: int | None = None, in_flight: Collection[str] = (),
+                allowed: Callable[[], ContextManager[bool]] = always_allowed) -> list[str]:
     """Delete a node folder's oldest tags beyond ``keep`` that the durable tier holds committed from the
     same save, and any tag it holds from a later save: a copy an overwrite left on this node, which
-    restarts never read (:func:`readable_saves`) and which would fill the folder. Never the only copy
-    of a save, never the tag ``latest`` names.
+    restarts never read (:func:`readable_saves`) and which would fill the folder. Never the tag
+    ``latest`` names, never a tag being drained (``in_flight``).
+
+    Never the only copy of a save either, unless the URL's own retention (``url_keep_last``,
+    ``url_keep_every``: the job's ``keep_last``, ``keep_every``) would not keep it there: a tag beyond
+    ``keep`` that the URL lacks while holding ``url_keep_last`` newer ones. Else, with ``keep_last`` no
+    larger than ``local_keep_last``, each tag the URL's retention deleted first stayed on the node for good.
 
     Each deletion runs inside ``allowed()``, and only where it yields true; where it yields false the
     pass ends there (a load reads the folder: the next pass deletes what this one left)."""
@@ -193,18 +198,26 @@ def prune_local(local: Storage, durable: Storage, keep: int, *,
                  if info.committed and not info.manifest.universal and not info.manifest.consolidated]
     latest = read_latest(local)
     deleted = []
+    url_recencies: list[tuple[float, int]] | None = None  # listed once, where a tag is missing at the URL
     for index, info in enumerate(committed):
-        if info.tag == latest:
+        if info.tag == latest or info.tag in in_flight:
             continue
         try:
             durable_manifest = read_manifest(durable, info.tag)
         except Exception as exc:  # a corrupt or unreadable durable copy is no copy
             logger.debug("local retention keeps %s: its durable manifest cannot be read (%s)", info.tag, exc)
             continue
+        beyond_keep = index < len(committed) - keep
         if durable_manifest is None:
-            continue
-        if durable_manifest.save_id == info.manifest.save_id:
-            if index >= len(committed) - keep:
+            if not beyond_keep or not url_keep_last or (url_keep_every and info.manifest.step % url_keep_every == 0):
+                continue
+            if url_recencies is None:
+                url_recencies = [_recency(view) for view in committed_view(durable).values()]
+            if sum(recency > info.manifest.recency for recency in url_recencies) < url_keep_last:
+                continue
+            why = f"{durable.url} keeps {url_keep_last} newer tags and not this one (keep_last={url_keep_last})"
+        elif durable_manifest.save_id == info.manifest.save_id:
+            if not beyond_keep:
                 continue
             why = f"durable at {durable.url}; local_keep_last={keep}"
         elif durable_manifest.recency > info.manifest.recency:

@@ -193,6 +193,11 @@ def test_storage_options_all_unset_with_a_local_url_mean_none():
     assert CheckpointConfig(url="/tmp/run1", storage_options={"endpoint_url": None}).storage_options == {}
 
 
+def test_storage_options_with_a_local_url_are_refused_when_any_is_set():
+    with pytest.raises(ConfigError, match="is a local path"):
+        CheckpointConfig(url="/tmp/run1", storage_options={"endpoint_url": None, "key": "AKIA..."})
+
+
 @pytest.mark.parametrize("url", [" /tmp/run1", "/tmp/run1 ", "s3://bucket/run1\n"])
 def test_a_url_with_surrounding_whitespace_is_refused(url):
     with pytest.raises(ConfigError, match="whitespace"):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import commit_tasks
 from manifests import commit_by_hand
-from async_ckpt import ConfigError, CorruptManifestError, layout
+from async_ckpt import ConfigError, CorruptManifestError, WaitTimeoutError, layout
 from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.cli import main
@@ -120,6 +120,22 @@ def test_a_stuck_saves_handle_gives_up_with_the_same_timeout_error_naming_the_ta
     for seen in stuck:
         kind, message = seen["result"]
         assert kind == "WaitTimeoutError" and "'first'" in message and "within 0.5 s" in message
+
+
+@pytest.mark.parametrize("call,what", [("result", "committed"), ("exception", "settled"),
+                                       ("local_result", "committed on its first tier")])
+def test_each_blocking_call_of_a_handle_gives_up_with_a_wait_timeout_error(call, what):
+    handle = SaveHandle(tag="t", url="/ckpt")
+    with pytest.raises(WaitTimeoutError, match=f"tag 't' to /ckpt was not {what} within 0.01 s"):
+        getattr(handle, call)(timeout=0.01)
+
+
+def test_a_save_that_failed_with_a_timeout_error_of_its_own_is_re_raised_as_it_was():
+    handle, error = SaveHandle(tag="t", url="/ckpt"), TimeoutError("the store timed out")
+    handle._fail(error)
+    with pytest.raises(TimeoutError) as raised:
+        handle.result(timeout=0.01)
+    assert raised.value is error and handle.exception(timeout=0.01) is error
 
 
 def test_close_gives_the_engine_back_even_when_it_gives_up(stuck):

@@ -253,28 +253,39 @@ def test_s3_ranged_download_reassembles_the_object(s3, bucket, tmp_path):
     assert storage.stats.bytes_downloaded == len(payload)
 
 
-def _download_while(s3, bucket, tmp_path, change) -> None:
-    """Download a two-part object one part at a time, calling ``change(client, key)`` once the first part is in."""
+def _download_while(s3, bucket, tmp_path, change, *, times: int = 1) -> bytes:
+    """Download a two-part object one part at a time, calling ``change(client, key, n)`` after each of the first
+    ``times`` parts that come in; return the file downloaded."""
     storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024, max_concurrency=1)
     storage.write_bytes("blob.bin", b"a" * (10 * 1024 * 1024))
     changed = []
 
     def after_a_part(nbytes: int) -> None:
-        if not changed:
-            changed.append(change(s3.client(), "run/blob.bin"))
+        if len(changed) < times:
+            changed.append(change(s3.client(), "run/blob.bin", len(changed)))
 
     storage.get_file("blob.bin", str(tmp_path / "blob.bin"), progress=after_a_part)
+    return (tmp_path / "blob.bin").read_bytes()
 
 
-def test_s3_object_replaced_while_downloaded_fails_the_download_instead_of_mixing_versions(s3, bucket, tmp_path):
-    with pytest.raises(StorageError, match=r"blob.bin was replaced while it was downloaded"):
-        _download_while(s3, bucket, tmp_path,
-                        lambda client, key: client.put_object(Bucket=bucket, Key=key, Body=b"b" * (10 * 1024 * 1024)))
+def _replace(bucket):
+    def replace(client, key, n):
+        client.put_object(Bucket=bucket, Key=key, Body=b"bc"[n % 2:n % 2 + 1] * (10 * 1024 * 1024))
+    return replace
+
+
+def test_s3_object_replaced_while_downloaded_is_downloaded_again_whole_never_mixed(s3, bucket, tmp_path):
+    assert _download_while(s3, bucket, tmp_path, _replace(bucket)) == b"b" * (10 * 1024 * 1024)
+
+
+def test_s3_object_replaced_during_both_downloads_fails_naming_it(s3, bucket, tmp_path):
+    with pytest.raises(StorageError, match=r"blob.bin was replaced while it was downloaded, twice"):
+        _download_while(s3, bucket, tmp_path, _replace(bucket), times=2)
 
 
 def test_s3_object_deleted_while_downloaded_is_a_missing_file_naming_it(s3, bucket, tmp_path):
     with pytest.raises(MissingFileError, match=r"run/blob.bin was deleted while it was downloaded"):
-        _download_while(s3, bucket, tmp_path, lambda client, key: client.delete_object(Bucket=bucket, Key=key))
+        _download_while(s3, bucket, tmp_path, lambda client, key, n: client.delete_object(Bucket=bucket, Key=key))
 
 
 def test_s3_download_denied_for_a_key_names_both_causes_s3_gives_a_403_for(s3, bucket, tmp_path):

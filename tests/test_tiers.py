@@ -407,22 +407,26 @@ def _drain_by_hand(drainer, local, durable, tag):
     assert handle.result(timeout=60).tag == tag
 
 
-def test_a_load_pauses_local_retention_until_resumed_and_the_next_drain_deletes_what_it_skipped(tmp_path):
-    """A load reads tags of the node folder that retention would delete once a drain ends (a rollback to
-    an older tag while drains run): paused, it deletes none; resumed, the next drain's pass deletes them."""
+def test_a_load_pauses_drains_retention_until_resumed_and_the_next_drain_deletes_what_it_skipped(tmp_path):
+    """A load reads tags that the retention of a drain ending meanwhile would delete (a rollback to an older
+    tag while drains run): paused, neither the node folder's retention nor keep_last at the URL deletes any;
+    resumed, the next drain's passes delete them."""
     local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
-    for step, tag in enumerate(["t1", "t2", "t3", "t4"]):
+    tags = ("t1", "t2", "t3", "t4")
+    for step, tag in enumerate(tags):
         commit_by_hand(local, tag, step, save_id=f"save-{tag}", saved_at=1.7e9 + step)
-    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, None, None, 2, True), 60.0,
+    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, 2, None, 2, True), 60.0,
                             lambda error, job: None)
     try:
         drainer.pause_retention()
         for tag in ("t1", "t2", "t3"):
             _drain_by_hand(drainer, local, durable, tag)
-        assert [t for t in ("t1", "t2", "t3", "t4") if read_manifest(local, t)] == ["t1", "t2", "t3", "t4"]
+        assert [t for t in tags if read_manifest(local, t)] == ["t1", "t2", "t3", "t4"]
+        assert [t for t in tags if read_manifest(durable, t)] == ["t1", "t2", "t3"]
         drainer.resume_retention()
         _drain_by_hand(drainer, local, durable, "t4")
-        assert [t for t in ("t1", "t2", "t3", "t4") if read_manifest(local, t)] == ["t3", "t4"]
+        assert [t for t in tags if read_manifest(local, t)] == ["t3", "t4"]
+        assert [t for t in tags if read_manifest(durable, t)] == ["t3", "t4"]
     finally:
         drainer.stop()
         assert drainer.join(30)
@@ -436,3 +440,27 @@ def test_local_retention_ends_its_pass_at_the_first_deletion_not_allowed(tmp_pat
     answers = iter([True, False])
     assert prune_local(local, durable, keep=1, allowed=lambda: contextlib.nullcontext(next(answers))) == ["t1"]
     assert [t for t in ("t1", "t2", "t3", "t4") if read_manifest(local, t)] == ["t2", "t3", "t4"]
+
+
+def _node_and_url_after_url_retention(tmp_path):
+    """t1..t4 committed on the node and drained; the URL's keep_last=2 then deleted t1 and t2 there."""
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    for step, tag in enumerate(["t1", "t2", "t3", "t4"], start=1):
+        commit_by_hand(local, tag, step)
+        if tag in ("t3", "t4"):
+            commit_by_hand(durable, tag, step)
+    return local, durable
+
+
+def test_local_retention_deletes_what_the_urls_own_retention_deleted_there_first(tmp_path):
+    """keep_last no larger than local_keep_last: the URL deletes a tag before the node folder does; the node
+    folder must not keep it for good."""
+    local, durable = _node_and_url_after_url_retention(tmp_path)
+    assert prune_local(local, durable, keep=2, url_keep_last=2) == ["t1", "t2"]
+
+
+def test_local_retention_keeps_a_node_copy_the_urls_retention_would_keep_or_that_is_being_drained(tmp_path):
+    local, durable = _node_and_url_after_url_retention(tmp_path)
+    assert prune_local(local, durable, keep=2) == []  # without keep_last the URL lacks them for another reason
+    assert prune_local(local, durable, keep=2, url_keep_last=3) == []  # the URL holds only 2 newer: not its doing
+    assert prune_local(local, durable, keep=1, url_keep_last=1, url_keep_every=2, in_flight={"t3"}) == ["t1"]

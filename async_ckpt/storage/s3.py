@@ -20,6 +20,7 @@ import errno
 import io
 import functools
 import itertools
+import logging
 import os
 import threading
 import weakref
@@ -38,6 +39,7 @@ from async_ckpt.storage.fsspec_store import FsspecStorage
 from async_ckpt.storage.retry import RetryPolicy
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 #: What writing a downloaded file can fail with that is about the local folder, not the network.
 _LOCAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
@@ -307,19 +309,29 @@ class S3Storage(FsspecStorage):
 
         Parts finish out of order, so a journal next to the file (``<file>.parts``) records each
         finished part; ``resume`` skips those and fetches only the rest.
+
+        Every part is asked for by the ETag the first HEAD saw (``If-Match``), so that an object replaced
+        meanwhile is never mixed with its new version; it is downloaded once more, whole, from a new
+        HEAD (the caller's checksum then tells whether that version is the one it expects).
         """
         key = self._key(relpath)
         try:
-            fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
+            try:
+                fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
+            except Exception as exc:
+                if _error_code(exc) not in ("PreconditionFailed", "412"):
+                    raise
+                logger.info("s3://%s/%s was replaced while it was downloaded; downloading it again", self.bucket, key)
+                fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
         except (StorageError, FileNotFoundError):
             raise
         except Exception as exc:  # botocore / aiohttp errors left after the retries, or the local file's
             if _not_found(exc):  # its HEAD found it: gone since (a lifecycle rule, a delete, a retention pass)
                 raise MissingFileError(f"s3://{self.bucket}/{key} was deleted while it was downloaded") from None
-            if _error_code(exc) in ("PreconditionFailed", "412"):  # every part asks for the ETag its HEAD saw
-                raise StorageError(f"s3://{self.bucket}/{key} was replaced while it was downloaded (its ETag changed); "
-                                   "nothing of the two versions was mixed. Run again once no other job writes "
-                                   "that checkpoint") from None
+            if _error_code(exc) in ("PreconditionFailed", "412"):  # replaced again during the second download
+                raise StorageError(f"s3://{self.bucket}/{key} was replaced while it was downloaded, twice (its ETag "
+                                   "changed); nothing of two versions was mixed. Run again once no other job "
+                                   "writes that checkpoint") from None
             if _error_code(exc) in ("403", "AccessDenied"):
                 raise StorageError(f"access to s3://{self.bucket}/{key} was denied (403): the credentials may not read "
                                    "it (s3:GetObject), or it does not exist and they may not list the bucket "
@@ -342,8 +354,9 @@ class S3Storage(FsspecStorage):
             raise
         size = int(head["ContentLength"])
         etag = str(head.get("ETag", ""))
-        # each part only from the object the HEAD saw: one replaced meanwhile fails the GET (412), never mixes in
-        same_object = {"IfMatch": etag} if etag else {}
+        # each part only from the object the HEAD saw: one replaced meanwhile fails the GET (412), never mixes in;
+        # a weak ETag (W/..., from some proxies) never matches If-Match, which compares strongly
+        same_object = {"IfMatch": etag} if etag and not etag.startswith("W/") else {}
         journal = PartJournal(f"{local_path}.parts", size, self.part_size, etag)
         done = journal.load() if resume and os.path.exists(local_path) else set()
         if progress and done:
