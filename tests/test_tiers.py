@@ -244,9 +244,10 @@ def test_fallback_by_default_moves_every_rank_to_the_newest_older_readable_tag(f
     assert [(out["both_broken"], out["newer_repaired"]) for out in fell_back] == [("older", "newer")] * 2
 
 
-def test_local_retention_paused_by_a_load_deletes_again_after_the_next_save(ranks, tmp_path):
+def test_retention_paused_by_a_load_deletes_again_after_the_next_save_on_the_nodes_and_at_the_url(ranks, tmp_path):
+    """keep_last == local_keep_last: the URL deletes each old tag first, and the nodes delete it after."""
     out = ranks.run(tier_tasks.load_then_save_in_tiers, str(tmp_path / "durable"), str(tmp_path))
-    assert [rank["node_tags"] for rank in out] == [["c", "d"]] * 2
+    assert [(rank["node_tags"], rank["url_tags"]) for rank in out] == [(["c", "d"], ["c", "d"])] * 2
 
 
 def test_without_verification_a_rank_whose_node_lacks_a_file_reads_the_durable_copy(ranks, tmp_path):

@@ -213,19 +213,22 @@ def fallback_in_tiers(durable: str, work: str) -> dict:
 
 
 def load_then_save_in_tiers(durable: str, work: str) -> dict:
-    """A job saves 'a' and 'b' in tiers (local_keep_last=2); the next job loads, then saves 'c' and 'd'. The load
-    pauses each node's local retention and the next save resumes it: what the node folders hold after."""
+    """A job saves 'a' and 'b' in tiers (keep_last=2 at the URL, local_keep_last=2); the next job loads, then
+    saves 'c' and 'd'. The load pauses the drains' retention and the next save resumes it: what the node
+    folders and the URL hold after."""
     tokens = workload.token_stream()
     engine = workload.make_engine(STAGE, "fp32", seed=13)
     for tags in (("a", "b"), ("c", "d")):
-        with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank()), local_keep_last=2) as ckpt:
+        with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank()), keep_last=2,
+                             local_keep_last=2) as ckpt:
             if tags[0] == "c":
                 ckpt.load()
             for tag in tags:
                 workload.train(engine, 1, tokens, _rank())
                 ckpt.save(tag=tag).result(timeout=120)
-    local = open_storage(node_folder(work, _rank()))
-    return {"node_tags": [tag for tag in "abcd" if read_manifest(local, tag) is not None]}
+    local, url = open_storage(node_folder(work, _rank())), open_storage(durable)
+    return {"node_tags": [tag for tag in "abcd" if read_manifest(local, tag) is not None],
+            "url_tags": [tag for tag in "abcd" if read_manifest(url, tag) is not None]}
 
 
 def resume_without_verification_past_a_shard_gone_from_node1(durable: str, work: str) -> dict:
