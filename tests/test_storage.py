@@ -253,14 +253,17 @@ def test_s3_ranged_download_reassembles_the_object(s3, bucket, tmp_path):
     assert storage.stats.bytes_downloaded == len(payload)
 
 
-def _download_while(s3, bucket, tmp_path, change, *, times: int = 1) -> bytes:
-    """Download a two-part object one part at a time, calling ``change(client, key, n)`` after each of the first
-    ``times`` parts that come in; return the file downloaded."""
+def _download_while(s3, bucket, tmp_path, change, *, times: int = 1, reported: list | None = None) -> bytes:
+    """Download a three-part object one part at a time, calling ``change(client, key, n)`` from the progress
+    callback (once a part is in, as far as the download has not reached before) the first ``times`` times;
+    return the file downloaded. ``reported`` collects what the progress got."""
     storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024, max_concurrency=1)
-    storage.write_bytes("blob.bin", b"a" * (10 * 1024 * 1024))
+    storage.write_bytes("blob.bin", b"a" * _BLOB)
     changed = []
 
     def after_a_part(nbytes: int) -> None:
+        if reported is not None:
+            reported.append(nbytes)
         if len(changed) < times:
             changed.append(change(s3.client(), "run/blob.bin", len(changed)))
 
@@ -268,14 +271,19 @@ def _download_while(s3, bucket, tmp_path, change, *, times: int = 1) -> bytes:
     return (tmp_path / "blob.bin").read_bytes()
 
 
+_BLOB = 15 * 1024 * 1024
+
+
 def _replace(bucket):
     def replace(client, key, n):
-        client.put_object(Bucket=bucket, Key=key, Body=b"bc"[n % 2:n % 2 + 1] * (10 * 1024 * 1024))
+        client.put_object(Bucket=bucket, Key=key, Body=b"bc"[n % 2:n % 2 + 1] * _BLOB)
     return replace
 
 
 def test_s3_object_replaced_while_downloaded_is_downloaded_again_whole_never_mixed(s3, bucket, tmp_path):
-    assert _download_while(s3, bucket, tmp_path, _replace(bucket)) == b"b" * (10 * 1024 * 1024)
+    reported = []
+    assert _download_while(s3, bucket, tmp_path, _replace(bucket), reported=reported) == b"b" * _BLOB
+    assert sum(reported) == _BLOB  # each byte once, though the first part was fetched twice
 
 
 def test_s3_object_replaced_during_both_downloads_fails_naming_it(s3, bucket, tmp_path):

@@ -315,14 +315,17 @@ class S3Storage(FsspecStorage):
         HEAD (the caller's checksum then tells whether that version is the one it expects).
         """
         key = self._key(relpath)
+        once = _ReportedOnce(progress) if progress is not None else None
         try:
             try:
-                fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
+                fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, once, resume)
             except Exception as exc:
                 if _error_code(exc) not in ("PreconditionFailed", "412"):
                     raise
                 logger.info("s3://%s/%s was replaced while it was downloaded; downloading it again", self.bucket, key)
-                fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, progress, resume)
+                if once is not None:
+                    once.restart()
+                fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, once, resume)
         except (StorageError, FileNotFoundError):
             raise
         except Exception as exc:  # botocore / aiohttp errors left after the retries, or the local file's
@@ -447,6 +450,26 @@ class S3Storage(FsspecStorage):
                 return await body.read()
 
         return fsspec.asyn.sync(self.fs.loop, self.retry.run, f"GET {key}", get)
+
+
+class _ReportedOnce:
+    """A download's progress callback that reports each byte of the file once, though a second attempt
+    fetches the parts the first one reported again (the object was replaced: :meth:`S3Storage.get_file`).
+    Called on the event loop's thread only."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._reported = 0  # the most bytes any attempt has reached so far
+        self._attempt = 0  # bytes of the current attempt
+
+    def restart(self) -> None:
+        self._attempt = 0
+
+    def __call__(self, nbytes: int) -> None:
+        self._attempt += nbytes
+        if self._attempt > self._reported:
+            self._progress(self._attempt - self._reported)
+            self._reported = self._attempt
 
 
 def _rewound(part: io.BytesIO) -> io.BytesIO:
