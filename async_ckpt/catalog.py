@@ -79,11 +79,17 @@ def newest_mtime(storage: Storage, relpath: str) -> float:
     return created if created > 0 else time.time()
 
 
+def has_start_mark(storage: Storage, tag: str) -> bool:
+    """Whether a rank has begun writing into the folder ``tag`` and not yet committed or aborted there
+    (or died doing so): its start mark is there."""
+    return any(map(is_start_mark, storage.list_dir(f"{tag}/{MARKER_DIR}")))
+
+
 def started_here(storage: Storage, tag: str) -> bool:
     """Whether the folder ``tag`` (without a readable manifest) holds a save of async_ckpt's: a start mark,
     or a deletion mark names it and none of its files is newer than that mark (else the name was reused
     since, say by stock DeepSpeed). Without either it may be another writer's checkpoint."""
-    if any(map(is_start_mark, storage.list_dir(f"{tag}/{MARKER_DIR}"))):
+    if has_start_mark(storage, tag):
         return True
     try:
         deleting_since = storage.modified(deletion_mark(tag))

@@ -117,9 +117,9 @@ class Drainer:
             self._retention_paused = True
 
     def resume_retention(self) -> None:
-        """Let local retention delete again (the next drain's pass)."""
-        with self._retention_lock:
-            self._retention_paused = False
+        """Let the drains' retention delete again (the next drain's pass). Does not wait: a save calls it,
+        and the lock may be held across a deletion at the URL."""
+        self._retention_paused = False
 
     @contextlib.contextmanager
     def _retention_allowed(self) -> Iterator[bool]:

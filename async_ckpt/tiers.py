@@ -36,7 +36,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, ContextManager
 
-from async_ckpt.catalog import list_tags, read_latest, read_manifest
+from async_ckpt.catalog import has_start_mark, holds_files, list_tags, read_latest, read_manifest
 from async_ckpt.commit import always_allowed, delete_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.storage.base import Storage
@@ -191,6 +191,9 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
     ``url_keep_every``: the job's ``keep_last``, ``keep_every``) would not keep it there: a tag beyond
     ``keep`` that the URL lacks while holding ``url_keep_last`` newer ones. Else, with ``keep_last`` no
     larger than ``local_keep_last``, each tag the URL's retention deleted first stayed on the node for good.
+    Such a tag is left alone while the URL holds any file of it (uncommitted there by an overwrite that has
+    begun: rank 0 marks it first) or a rank has marked its node folder as being written into (an
+    overwrite's first write: the other nodes' folders stay committed until their own commit).
 
     Each deletion runs inside ``allowed()``, and only where it yields true; where it yields false the
     pass ends there (a load reads the folder: the next pass deletes what this one left)."""
@@ -215,6 +218,8 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
                 url_recencies = [_recency(view) for view in committed_view(durable).values()]
             if sum(recency > info.manifest.recency for recency in url_recencies) < url_keep_last:
                 continue
+            if holds_files(durable, info.tag):  # uncommitted at the URL, not deleted: an overwrite under way
+                continue
             why = f"{durable.url} keeps {url_keep_last} newer tags and not this one (keep_last={url_keep_last})"
         elif durable_manifest.save_id == info.manifest.save_id:
             if not beyond_keep:
@@ -229,6 +234,9 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
                 logger.info("local retention: leaving %s in %s while a load may read it (%s); a later drain "
                             "deletes it", info.tag, local.url, why)
                 break
+            if durable_manifest is None and has_start_mark(local, info.tag):  # checked last: the least time to go
+                logger.info("local retention: leaving %s in %s: a save is being written into it", info.tag, local.url)
+                continue
             logger.info("local retention: deleting %s from %s (%s)", info.tag, local.url, why)
             delete_tag(local, info.tag)
         deleted.append(info.tag)

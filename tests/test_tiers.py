@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import threading
 
 import pytest
 import torch.distributed as dist
 
 import tier_tasks
-from async_ckpt import ConfigError, SaveFailedError, drain, wrap
+from async_ckpt import ConfigError, SaveFailedError, commit, drain, wrap
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.handle import SaveHandle
 from async_ckpt.launch import RankError
@@ -465,3 +466,28 @@ def test_local_retention_keeps_a_node_copy_the_urls_retention_would_keep_or_that
     assert prune_local(local, durable, keep=2) == []  # without keep_last the URL lacks them for another reason
     assert prune_local(local, durable, keep=2, url_keep_last=3) == []  # the URL holds only 2 newer: not its doing
     assert prune_local(local, durable, keep=1, url_keep_last=1, url_keep_every=2, in_flight={"t3"}) == ["t1"]
+
+
+@pytest.mark.parametrize("marked", ["node folder", "url"])
+def test_local_retention_leaves_an_old_node_copy_alone_while_an_overwrite_of_it_is_under_way(tmp_path, marked):
+    """An overwrite of t1 has begun: rank 0 marked (and uncommitted) it at the URL, or a rank marked its node
+    folder, whose old manifest stays committed until the node's commit; deleting it would delete the new files."""
+    local, durable = _node_and_url_after_url_retention(tmp_path)
+    commit.mark_started(local if marked == "node folder" else durable, "t1", 1, "the-overwrite")
+    assert prune_local(local, durable, keep=2, url_keep_last=2) == ["t2"]
+    assert read_manifest(local, "t1") is not None
+
+
+def test_a_save_resumes_the_drains_retention_without_waiting_for_a_deletion_in_progress(tmp_path):
+    """Every save resumes it (rank 0's drains may be deleting a tag at the URL, for seconds): no stall."""
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, 2, None, 2, True), 60.0,
+                            lambda error, job: None)
+    resumed = threading.Event()
+    try:
+        with drainer._retention_allowed():  # what a deletion in progress holds
+            threading.Thread(target=lambda: (drainer.resume_retention(), resumed.set()), daemon=True).start()
+            assert resumed.wait(10)
+    finally:
+        drainer.stop()
+        assert drainer.join(30)
