@@ -79,10 +79,20 @@ def newest_mtime(storage: Storage, relpath: str) -> float:
     return created if created > 0 else time.time()
 
 
-def has_start_mark(storage: Storage, tag: str) -> bool:
+def has_start_mark(storage: Storage, tag: str, *, other_than: str | None = None) -> bool:
     """Whether a rank has begun writing into the folder ``tag`` and not yet committed or aborted there
-    (or died doing so): its start mark is there."""
-    return any(map(is_start_mark, storage.list_dir(f"{tag}/{MARKER_DIR}")))
+    (or died doing so): its start mark is there. With ``other_than`` (a save id), only a mark of another
+    save counts: one that a committed save's rank left (it died before removing it) is no write under way."""
+    marks = [name for name in storage.list_dir(f"{tag}/{MARKER_DIR}") if is_start_mark(name)]
+    if other_than is None:
+        return bool(marks)
+    for name in marks:
+        try:
+            if storage.read_bytes(f"{tag}/{MARKER_DIR}/{name}").decode(errors="replace") != other_than:
+                return True
+        except FileNotFoundError:  # removed meanwhile: that rank committed or aborted
+            continue
+    return False
 
 
 def started_here(storage: Storage, tag: str) -> bool:

@@ -118,7 +118,8 @@ class CheckpointConfig:
             shared filesystem is needed. ``load()`` restarts from the nearest tier that holds a
             rank's files. ``None``: saves go straight to ``url``.
         local_keep_last: with ``local_tier``, how many committed tags each node folder keeps; older ones
-            are deleted only once they are committed at ``url``.
+            are deleted once they are committed at ``url``, or once ``url``'s own ``keep_last`` no longer
+            keeps them there.
         local_tier_max_bytes: with ``local_tier``, the most bytes each node folder may hold. A save that
             would not fit (nor in the disk's free space) goes straight to ``url``, with a warning.
         on_save_done: called with the :class:`SaveHandle` once a save committed or failed, on

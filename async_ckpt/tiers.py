@@ -19,9 +19,10 @@ the durable URL, or committed in every node's folder from one save (:func:`reada
 rank then reads that save from the nearest tier that holds it with its files intact (verified),
 never another save of the tag, and logs which tier it used.
 
-Retention: ``local_keep_last`` tags stay in a node's folder; an older one is deleted only once its
-drain committed it at the URL (the same save), so the local tier never holds the only copy of a tag
-that retention removes. ``keep_last`` applies to the URL as without tiers. A load pauses the
+Retention: ``local_keep_last`` tags stay in a node's folder; an older one is deleted once its drain
+committed it at the URL (the same save), or once the URL's own ``keep_last`` no longer keeps it there
+(:func:`prune_local`), never while a save is being written into its folder. ``keep_last`` applies to
+the URL as without tiers. A load pauses the
 retention that drains run (a node's, and ``keep_last`` at the URL) until the next save
 (:meth:`~async_ckpt.drain.Drainer.pause_retention`), so that a drain ending meanwhile deletes no tag
 a rank may still read; later drains make the deletions it skipped.
@@ -192,8 +193,9 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
     ``keep`` that the URL lacks while holding ``url_keep_last`` newer ones. Else, with ``keep_last`` no
     larger than ``local_keep_last``, each tag the URL's retention deleted first stayed on the node for good.
     Such a tag is left alone while the URL holds any file of it (uncommitted there by an overwrite that has
-    begun: rank 0 marks it first) or a rank has marked its node folder as being written into (an
-    overwrite's first write: the other nodes' folders stay committed until their own commit).
+    begun: rank 0 marks it first). No tag is deleted whose node folder holds a start mark of another save
+    than its committed one: an overwrite's first write, while the folders of nodes other than rank 0's stay
+    committed until their own commit. (A mark written between that check and the deletion is not seen.)
 
     Each deletion runs inside ``allowed()``, and only where it yields true; where it yields false the
     pass ends there (a load reads the folder: the next pass deletes what this one left)."""
@@ -234,7 +236,7 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
                 logger.info("local retention: leaving %s in %s while a load may read it (%s); a later drain "
                             "deletes it", info.tag, local.url, why)
                 break
-            if durable_manifest is None and has_start_mark(local, info.tag):  # checked last: the least time to go
+            if has_start_mark(local, info.tag, other_than=info.manifest.save_id):  # last: the least time to go
                 logger.info("local retention: leaving %s in %s: a save is being written into it", info.tag, local.url)
                 continue
             logger.info("local retention: deleting %s from %s (%s)", info.tag, local.url, why)

@@ -491,3 +491,14 @@ def test_a_save_resumes_the_drains_retention_without_waiting_for_a_deletion_in_p
     finally:
         drainer.stop()
         assert drainer.join(30)
+
+
+def test_local_retention_leaves_a_node_copy_alone_while_another_save_writes_into_it_whatever_the_url_holds(
+        tmp_path):
+    """t3 (also at the URL, from the same save) is being overwritten on this node; t1 holds a stale start
+    mark of its own committed save (a rank died before removing it), which is no write under way."""
+    local, durable = _node_and_url_after_url_retention(tmp_path)
+    commit.mark_started(local, "t3", 1, "the-overwrite")
+    commit.mark_started(local, "t1", 1, "save-t1")
+    assert prune_local(local, durable, keep=1, url_keep_last=2) == ["t1", "t2"]
+    assert read_manifest(local, "t3") is not None
