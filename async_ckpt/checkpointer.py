@@ -293,9 +293,9 @@ class AsyncCheckpointer:
         self.wait()
         manifest = self._agreed_manifest(f"to find the tag to load at {self.storage.url}",
                                          lambda: resolve(self.storage, tag, universal=self._loads_universal()))
+        self._check_compatible(manifest)
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
         load_dir = None
-        self._check_compatible(manifest)
         while True:
             def fetch() -> str | None:
                 """This rank's files of ``manifest``, verified and fetched: ``None``, or what failed verification

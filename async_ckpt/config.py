@@ -159,13 +159,13 @@ class CheckpointConfig:
             object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
-        if local_path(self.url) is not None and not any(v is not None for v in self.storage_options.values()):
+        if local_path(self.url) is not None:
+            if any(v is not None for v in self.storage_options.values()):
+                raise ConfigError(f"storage_options {sorted(self.storage_options)} are for an object store, but url "
+                                  f"{self.url!r} is a local path, where they would be ignored: write the URL with its "
+                                  "scheme (s3://bucket/run1), or drop storage_options")
             # options left unset ({"endpoint_url": os.environ.get(...)} where it is not set) mean none
             object.__setattr__(self, "storage_options", {})
-        if self.storage_options and local_path(self.url) is not None:
-            raise ConfigError(f"storage_options {sorted(self.storage_options)} are for an object store, but url "
-                              f"{self.url!r} is a local path, where they would be ignored: write the URL with its "
-                              "scheme (s3://bucket/run1), or drop storage_options")
         if self.keep_last is not None:
             _integer("keep_last", self.keep_last, 1)
         if self.on_error not in ("warn", "raise"):

@@ -22,10 +22,9 @@ never another save of the tag, and logs which tier it used.
 Retention: ``local_keep_last`` tags stay in a node's folder; an older one is deleted once its drain
 committed it at the URL (the same save), or once the URL's own ``keep_last`` no longer keeps it there
 (:func:`prune_local`), never while a save is being written into its folder. ``keep_last`` applies to
-the URL as without tiers. A load pauses the
-retention that drains run (a node's, and ``keep_last`` at the URL) until the next save
-(:meth:`~async_ckpt.drain.Drainer.pause_retention`), so that a drain ending meanwhile deletes no tag
-a rank may still read; later drains make the deletions it skipped.
+the URL as without tiers. A load pauses the retention that drains run (a node's, and ``keep_last``
+at the URL) until the next save (:meth:`~async_ckpt.drain.Drainer.pause_retention`), so that a drain
+ending meanwhile deletes no tag a rank may still read; later drains make the deletions it skipped.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 #: What writing a downloaded file can fail with that is about the local folder, not the network.
 _LOCAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
 
+
 def _error_code(exc: BaseException) -> str | None:
     """The error code of S3's answer that ``exc`` carries (``NoSuchKey``...), or ``None``."""
     response = getattr(exc, "response", None)
@@ -53,6 +54,11 @@ def _error_code(exc: BaseException) -> str | None:
 def _not_found(exc: BaseException) -> bool:
     """Whether a client error is S3's answer that the key does not exist."""
     return _error_code(exc) in ("NoSuchKey", "404")
+
+
+def _replaced(exc: BaseException) -> bool:
+    """Whether a client error is S3's answer that the object no longer has the ETag asked for (``If-Match``)."""
+    return _error_code(exc) in ("PreconditionFailed", "412")
 
 
 #: Files up to this size are buffered in memory that grows with them; larger ones in full parts.
@@ -320,7 +326,7 @@ class S3Storage(FsspecStorage):
             try:
                 fsspec.asyn.sync(self.fs.loop, self._download, key, local_path, once, resume)
             except Exception as exc:
-                if _error_code(exc) not in ("PreconditionFailed", "412"):
+                if not _replaced(exc):
                     raise
                 logger.info("s3://%s/%s was replaced while it was downloaded; downloading it again", self.bucket, key)
                 if once is not None:
@@ -331,7 +337,7 @@ class S3Storage(FsspecStorage):
         except Exception as exc:  # botocore / aiohttp errors left after the retries, or the local file's
             if _not_found(exc):  # its HEAD found it: gone since (a lifecycle rule, a delete, a retention pass)
                 raise MissingFileError(f"s3://{self.bucket}/{key} was deleted while it was downloaded") from None
-            if _error_code(exc) in ("PreconditionFailed", "412"):  # replaced again during the second download
+            if _replaced(exc):  # replaced again during the second download
                 raise StorageError(f"s3://{self.bucket}/{key} was replaced while it was downloaded, twice (its ETag "
                                    "changed); nothing of two versions was mixed. Run again once no other job "
                                    "writes that checkpoint") from None
