@@ -692,6 +692,7 @@ class AsyncCheckpointer:
         def open_folders() -> tuple[str, int, int]:
             self._open_durable()
             self._local = self._open(path)
+            commit.add_marks_lock(self._local)
             return folder_identity(path)
 
         nodes = nodes_from(self._gather_checked(f"to open {self.config.url} or the local tier {path}", open_folders))

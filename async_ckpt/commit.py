@@ -25,16 +25,17 @@ import logging
 import os
 import shutil
 import time
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
 from async_ckpt.handshake import ABORT, COMMIT, HandshakeFailed, HandshakeTimeout, Outcome
 from async_ckpt.job import SaveJob
-from async_ckpt.layout import (LATEST, MARKER_DIR, deletion_mark, installed_recovery_scripts, manifest_path,
-                               start_mark)
+from async_ckpt.layout import (LATEST, MARKER_DIR, MARKS_LOCK, deletion_mark, installed_recovery_scripts,
+                               manifest_path, start_mark)
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.serialization import copy_local_file
 from async_ckpt.storage.base import Storage
+from async_ckpt.storage.local import file_lock
 
 logger = logging.getLogger("async_ckpt")
 
@@ -47,8 +48,38 @@ def mark_started(storage: Storage, tag: str, rank: int, save_id: str) -> None:
     bookkeeping folder once it commits (:func:`remove_bookkeeping`; on a node tier each rank removes
     its own), and each with its rank's files if the tag aborts (:func:`unmark`), except where the rank's
     own write was cut short: what that left may be out of its cleanup's sight, so gc gets the folder.
+
+    In a node folder the mark is written under the folder's marks lock, shared (:func:`no_new_marks`).
     """
-    storage.write_bytes(start_mark(tag, rank), save_id.encode())
+    with _marks_lock(storage, shared=True):
+        storage.write_bytes(start_mark(tag, rank), save_id.encode())
+
+
+def add_marks_lock(storage: Storage) -> None:
+    """Give a local folder (a node's, of the local tier) the lock by which start marks wait for a
+    deletion that looks for them (:func:`no_new_marks`). Every rank of the node calls it before its first
+    save there; folders without the lock file (a local URL, where no pass checks marks) take no lock."""
+    with _marks_lock(storage, shared=True, create=True):
+        pass
+
+
+@contextlib.contextmanager
+def no_new_marks(storage: Storage) -> Iterator[None]:
+    """Hold off start marks in ``storage`` (where it has the lock: :func:`add_marks_lock`) for the block.
+
+    Local retention checks a tag for another save's start mark, then deletes it. An overwrite's first
+    mark written in between would be deleted with the tag, and the new files after it written into a
+    folder with no manifest and no mark. Under this lock a mark lands before the check or after the
+    deletion (into a fresh folder). Where the filesystem refuses locks, that window stays open."""
+    with _marks_lock(storage, shared=False):
+        yield
+
+
+def _marks_lock(storage: Storage, *, shared: bool, create: bool = False) -> ContextManager[bool]:
+    folder = storage.local_dir()
+    if folder is None:
+        return contextlib.nullcontext(False)
+    return file_lock(os.path.join(folder, *MARKS_LOCK.split("/")), shared=shared, create=create)
 
 
 def unmark(storage: Storage, tag: str, rank: int) -> None:

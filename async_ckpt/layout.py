@@ -67,6 +67,9 @@ def manifest_path(tag: str) -> str:
 _START_MARK = "started-rank"
 #: The root's folder of deletion marks (see :func:`deletion_mark`).
 DELETION_MARKS = f"{MARKER_DIR}/deleting"
+#: A node folder's lock between a rank writing its start mark and local retention deleting a tag
+#: (see :func:`async_ckpt.commit.mark_started`).
+MARKS_LOCK = f"{MARKER_DIR}/marks.lock"
 
 
 def start_mark(tag: str, rank: int) -> str:

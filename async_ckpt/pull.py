@@ -14,7 +14,6 @@ where it stopped: finished files are skipped and a partly fetched file keeps the
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import threading
@@ -22,12 +21,13 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import ContextManager
 
 from async_ckpt.errors import MissingFileError, UsageError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank, installed_recovery_scripts
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
+from async_ckpt.storage.local import file_lock
 from async_ckpt.verify import check_local_file
 
 logger = logging.getLogger("async_ckpt")
@@ -49,24 +49,11 @@ class PullReport:
 _LOCKS_DIR = ".async_ckpt-fetching"  # beside the files, out of the way of DeepSpeed's globs
 
 
-@contextlib.contextmanager
-def _fetching(tag_dir: str, path: str) -> Iterator[None]:
-    """Hold an exclusive lock on fetching ``path`` into ``tag_dir``'s cache: the ranks of a node that share
+def _fetching(tag_dir: str, path: str) -> ContextManager[bool]:
+    """An exclusive lock on fetching ``path`` into ``tag_dir``'s cache: the ranks of a node that share
     a cache and need the same file (every rank's model states under ZeRO-1/2) fetch it once; the others
     wait, then find it cached. Where the filesystem refuses locks, each fetches its own copy as before."""
-    lock_path = os.path.join(tag_dir, _LOCKS_DIR, path.replace("/", "__") + ".lock")
-    fd = None
-    try:
-        os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError as exc:
-        logger.debug("fetching %s without a lock (%s)", path, exc)
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the lock
+    return file_lock(os.path.join(tag_dir, _LOCKS_DIR, path.replace("/", "__") + ".lock"))
 
 
 def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag_dir: str, *,

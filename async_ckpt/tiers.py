@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, ContextManager
 
 from async_ckpt.catalog import has_start_mark, holds_files, list_tags, read_latest, read_manifest
-from async_ckpt.commit import always_allowed, delete_tag
+from async_ckpt.commit import always_allowed, delete_tag, no_new_marks
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.storage.base import Storage
 
@@ -194,7 +194,7 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
     Such a tag is left alone while the URL holds any file of it (uncommitted there by an overwrite that has
     begun: rank 0 marks it first). No tag is deleted whose node folder holds a start mark of another save
     than its committed one: an overwrite's first write, while the folders of nodes other than rank 0's stay
-    committed until their own commit. (A mark written between that check and the deletion is not seen.)
+    committed until their own commit. A mark waits while the check and the deletion run (:func:`no_new_marks`).
 
     Each deletion runs inside ``allowed()``, and only where it yields true; where it yields false the
     pass ends there (a load reads the folder: the next pass deletes what this one left)."""
@@ -235,11 +235,13 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
                 logger.info("local retention: leaving %s in %s while a load may read it (%s); a later drain "
                             "deletes it", info.tag, local.url, why)
                 break
-            if has_start_mark(local, info.tag, other_than=info.manifest.save_id):  # last: the least time to go
-                logger.info("local retention: leaving %s in %s: a save is being written into it", info.tag, local.url)
-                continue
-            logger.info("local retention: deleting %s from %s (%s)", info.tag, local.url, why)
-            delete_tag(local, info.tag)
+            with no_new_marks(local):
+                if has_start_mark(local, info.tag, other_than=info.manifest.save_id):  # last: the least time to go
+                    logger.info("local retention: leaving %s in %s: a save is being written into it", info.tag,
+                                local.url)
+                    continue
+                logger.info("local retention: deleting %s from %s (%s)", info.tag, local.url, why)
+                delete_tag(local, info.tag)
         deleted.append(info.tag)
     return deleted
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -16,8 +18,10 @@ import tier_tasks
 from async_ckpt import ConfigError, SaveFailedError, commit, drain, wrap
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.handle import SaveHandle
+from async_ckpt.layout import MARKS_LOCK, start_mark
 from async_ckpt.launch import RankError
 from async_ckpt.storage import open_storage
+from async_ckpt.storage.local import file_lock
 from async_ckpt.tiers import choose_tag, holds_chosen_save, prune_local, readable_saves, undrained
 from manifests import commit_by_hand
 from s3_server import FaultProxy, options
@@ -36,6 +40,7 @@ def run(s3, ranks, tmp_path_factory):
     opts = options(s3.endpoint)
     saved = ranks.run(tier_tasks.save_in_tiers, url, opts, str(work))
     listing = {rank: sorted(p.name for p in (work / f"node{rank}").iterdir()) for rank in range(2)}
+    locks = {rank: (work / f"node{rank}" / MARKS_LOCK).is_file() for rank in range(2)}
     files = {rank: sorted(p.name for p in (work / f"node{rank}" / "c").iterdir())
              for rank in range(2)}
     ranks.restart()
@@ -44,7 +49,7 @@ def run(s3, ranks, tmp_path_factory):
     ranks.restart()
     wiped = ranks.run(tier_tasks.resume_in_tiers, url, opts, str(work))
     full = ranks.run(tier_tasks.save_to_a_full_local_tier, f"{url}-direct", opts, str(work))
-    return {"url": url, "work": work, "opts": opts, "saved": saved, "listing": listing, "files": files,
+    return {"url": url, "work": work, "opts": opts, "saved": saved, "listing": listing, "locks": locks, "files": files,
             "resumed": resumed, "wiped": wiped, "full": full}
 
 
@@ -80,6 +85,10 @@ def test_each_node_folder_holds_what_its_ranks_read_and_no_other_ranks_shard(run
         assert "mp_rank_00_model_states.pt" in files and "async_ckpt_manifest.json" in files
         assert any(f.startswith(f"zero_pp_rank_{rank}_") for f in files)
         assert not any(f.startswith(f"zero_pp_rank_{other}_") for f in files)
+
+
+def test_each_node_folder_has_the_lock_its_start_marks_and_local_retention_share(run):
+    assert run["locks"] == {0: True, 1: True}
 
 
 def test_local_retention_keeps_local_keep_last_tags_and_the_bucket_keeps_all(run):
@@ -476,6 +485,42 @@ def test_local_retention_leaves_an_old_node_copy_alone_while_an_overwrite_of_it_
     commit.mark_started(local if marked == "node folder" else durable, "t1", 1, "the-overwrite")
     assert prune_local(local, durable, keep=2, url_keep_last=2) == ["t2"]
     assert read_manifest(local, "t1") is not None
+
+
+def test_local_retention_waits_for_a_start_mark_being_written_and_then_leaves_that_tag(tmp_path):
+    """An overwrite's first mark lands while retention is about to check t1: retention waits for it, sees it
+    and leaves t1 (without the node folder's lock it deleted t1, and the mark with it)."""
+    local, durable = _node_and_url_after_url_retention(tmp_path)
+    commit.add_marks_lock(local)
+    deleted: list[str] = []
+    with file_lock(os.path.join(local.local_dir(), MARKS_LOCK), shared=True):  # what mark_started holds
+        pruning = threading.Thread(target=lambda: deleted.extend(prune_local(local, durable, keep=2, url_keep_last=2)))
+        pruning.start()
+        time.sleep(0.5)  # retention has reached t1 by now
+        local.write_bytes(start_mark("t1", 1), b"the-overwrite")
+    pruning.join(30)
+    assert deleted == ["t2"]
+    assert read_manifest(local, "t1") is not None
+
+
+def test_a_start_mark_waits_while_local_retention_checks_and_deletes(tmp_path):
+    local = open_storage(str(tmp_path / "node0"))
+    commit.add_marks_lock(local)
+    marked = threading.Event()
+    with commit.no_new_marks(local):
+        threading.Thread(target=lambda: (commit.mark_started(local, "t1", 1, "save-1"), marked.set()),
+                         daemon=True).start()
+        assert not marked.wait(0.5)
+        assert not local.exists(start_mark("t1", 1))
+    assert marked.wait(30)
+    assert local.read_bytes(start_mark("t1", 1)) == b"save-1"
+
+
+def test_a_local_url_gets_no_marks_lock(tmp_path):
+    """Only node folders have one: nothing at a local URL checks marks before deleting."""
+    url = open_storage(str(tmp_path / "url"))
+    commit.mark_started(url, "t1", 0, "save-1")
+    assert not url.exists(MARKS_LOCK)
 
 
 def test_a_save_resumes_the_drains_retention_without_waiting_for_a_deletion_in_progress(tmp_path):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import logging
 import mmap
 import os
 import queue
@@ -29,6 +31,8 @@ import fsspec
 from async_ckpt.storage.base import LEND_MIN, anonymous_memory, buffer_address as _address
 from async_ckpt.storage.fsspec_store import FsspecStorage
 
+logger = logging.getLogger("async_ckpt")
+
 
 def fsync_path(path: str) -> None:
     """fsync a file or a folder by its path (a folder's, for the names in it to survive a crash)."""
@@ -37,6 +41,32 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def file_lock(path: str, *, shared: bool = False, create: bool = True) -> Iterator[bool]:
+    """Hold ``flock`` on the file ``path`` (shared or exclusive) for the block; yield whether it is held.
+
+    Processes on one machine (the ranks of a node) order their work on a folder by it. Where the file
+    is missing and ``create`` is false, or the filesystem refuses locks (some network filesystems),
+    the block runs without one: callers treat a lock as narrowing a race, never as needed to proceed."""
+    fd = None
+    try:
+        if create:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | (os.O_CREAT if create else 0), 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    except OSError as exc:
+        if fd is not None:
+            os.close(fd)
+            fd = None
+        if create or exc.errno != errno.ENOENT:
+            logger.debug("no lock on %s (%s)", path, exc)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 _ALIGN = 4096  # block size the bounce buffers are written in before the device's own is known
