@@ -65,13 +65,13 @@ def add_marks_lock(storage: Storage) -> None:
 
 @contextlib.contextmanager
 def no_new_marks(storage: Storage) -> Iterator[None]:
-    """Hold off start marks in ``storage`` (where it has the lock: :func:`add_marks_lock`) for the block.
+    """Hold off start marks in the node folder ``storage`` for the block (its lock, :func:`add_marks_lock`).
 
     Local retention checks a tag for another save's start mark, then deletes it. An overwrite's first
     mark written in between would be deleted with the tag, and the new files after it written into a
     folder with no manifest and no mark. Under this lock a mark lands before the check or after the
     deletion (into a fresh folder). Where the filesystem refuses locks, that window stays open."""
-    with _marks_lock(storage, shared=False):
+    with _marks_lock(storage, shared=False, create=True):
         yield
 
 

@@ -36,7 +36,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, ContextManager
 
-from async_ckpt.catalog import has_start_mark, holds_files, list_tags, read_latest, read_manifest
+from async_ckpt.catalog import TagInfo, has_start_mark, holds_files, list_tags, read_latest, read_manifest
 from async_ckpt.commit import always_allowed, delete_tag, no_new_marks
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.storage.base import Storage
@@ -236,7 +236,7 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
                             "deletes it", info.tag, local.url, why)
                 break
             with no_new_marks(local):
-                if has_start_mark(local, info.tag, other_than=info.manifest.save_id):  # last: the least time to go
+                if _overwritten_since(local, info):
                     logger.info("local retention: leaving %s in %s: a save is being written into it", info.tag,
                                 local.url)
                     continue
@@ -244,6 +244,19 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
                 delete_tag(local, info.tag)
         deleted.append(info.tag)
     return deleted
+
+
+def _overwritten_since(local: Storage, info: TagInfo) -> bool:
+    """Whether a save other than the one ``info`` listed has begun in the folder (its start mark: an
+    overwrite's first write) or committed there since (its manifest; ``latest`` may now name it): the
+    pass listed the folder before it took the marks lock. Last before a deletion: the least time to go."""
+    if has_start_mark(local, info.tag, other_than=info.manifest.save_id):
+        return True
+    try:
+        now = read_manifest(local, info.tag)
+    except Exception:  # unreadable now: something wrote it since the listing
+        return True
+    return now is None or now.save_id != info.manifest.save_id or read_latest(local) == info.tag
 
 
 def undrained(local: Storage, durable: Storage, in_flight: set[str]) -> list[Manifest]:

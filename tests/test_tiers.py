@@ -488,19 +488,43 @@ def test_local_retention_leaves_an_old_node_copy_alone_while_an_overwrite_of_it_
 
 
 def test_local_retention_waits_for_a_start_mark_being_written_and_then_leaves_that_tag(tmp_path):
-    """An overwrite's first mark lands while retention is about to check t1: retention waits for it, sees it
-    and leaves t1 (without the node folder's lock it deleted t1, and the mark with it)."""
+    """An overwrite's rank is writing its first mark into t1 (inside mark_started: the node folder's lock,
+    shared) just as retention comes to delete t1: retention waits for the mark, sees it and leaves t1."""
     local, durable = _node_and_url_after_url_retention(tmp_path)
     commit.add_marks_lock(local)
-    deleted: list[str] = []
-    with file_lock(os.path.join(local.local_dir(), MARKS_LOCK), shared=True):  # what mark_started holds
-        pruning = threading.Thread(target=lambda: deleted.extend(prune_local(local, durable, keep=2, url_keep_last=2)))
+    reached, deleted = threading.Event(), []
+
+    @contextlib.contextmanager
+    def allowed():
+        reached.set()
+        yield True
+
+    with file_lock(os.path.join(local.local_dir(), MARKS_LOCK), shared=True):
+        pruning = threading.Thread(target=lambda: deleted.extend(
+            prune_local(local, durable, keep=2, url_keep_last=2, allowed=allowed)))
         pruning.start()
-        time.sleep(0.5)  # retention has reached t1 by now
+        assert reached.wait(30)
+        time.sleep(0.2)  # without the lock, retention checks t1 and deletes it meanwhile
         local.write_bytes(start_mark("t1", 1), b"the-overwrite")
     pruning.join(30)
     assert deleted == ["t2"]
     assert read_manifest(local, "t1") is not None
+
+
+def test_local_retention_leaves_a_tag_that_an_overwrite_committed_on_the_node_during_its_pass(tmp_path):
+    """The pass listed t1 from its old save; before its deletion the overwrite wrote, committed and removed
+    its marks: the new copy stays (its drain reads it; the URL's old copy was uncommitted)."""
+    local, durable = _node_and_url_after_url_retention(tmp_path)
+    first = iter([True])
+
+    @contextlib.contextmanager
+    def allowed():
+        if next(first, False):
+            commit_by_hand(local, "t1", 5, saved_at=99.0, save_id="the-overwrite")
+        yield True
+
+    assert prune_local(local, durable, keep=2, url_keep_last=2, allowed=allowed) == ["t2"]
+    assert read_manifest(local, "t1").save_id == "the-overwrite"
 
 
 def test_a_start_mark_waits_while_local_retention_checks_and_deletes(tmp_path):

@@ -49,24 +49,29 @@ def file_lock(path: str, *, shared: bool = False, create: bool = True) -> Iterat
 
     Processes on one machine (the ranks of a node) order their work on a folder by it. Where the file
     is missing and ``create`` is false, or the filesystem refuses locks (some network filesystems),
-    the block runs without one: callers treat a lock as narrowing a race, never as needed to proceed."""
+    the block runs without one: callers treat a lock as narrowing a race, never as needed to proceed.
+    On NFS, Linux emulates ``flock`` with POSIX locks, which are per process: threads of one process
+    do not exclude each other there."""
     fd = None
     try:
         if create:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_RDONLY | (os.O_CREAT if create else 0), 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-    except OSError as exc:
+    except BaseException as exc:  # an interrupt while waiting closes the file too
         if fd is not None:
             os.close(fd)
             fd = None
+        if not isinstance(exc, OSError):
+            raise
         if create or exc.errno != errno.ENOENT:
             logger.debug("no lock on %s (%s)", path, exc)
     try:
         yield fd is not None
     finally:
         if fd is not None:
-            os.close(fd)  # releases the lock
+            fcntl.flock(fd, fcntl.LOCK_UN)  # not only by closing: a child forked meanwhile shares the file
+            os.close(fd)
 
 
 _ALIGN = 4096  # block size the bounce buffers are written in before the device's own is known
