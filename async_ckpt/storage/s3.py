@@ -39,7 +39,7 @@ from async_ckpt.storage.fsspec_store import FsspecStorage
 from async_ckpt.storage.retry import RetryPolicy
 
 T = TypeVar("T")
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("async_ckpt")
 
 #: What writing a downloaded file can fail with that is about the local folder, not the network.
 _LOCAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
