@@ -536,7 +536,7 @@ class AsyncCheckpointer:
             self._session = None
         deepspeed_s = time.perf_counter() - entered
         deferred = [pair for f in files for pair in f.deferred]
-        self._staging = self._pool.copy(deferred, background=True)
+        self._staging = self._pool.copy(deferred, background=True, checksum=not self.config.exact_bytes)
         self._pool.trim_reserve()
         return self._submit(self._local if agreed.local else storage, tag, agreed, files, self._staging, started,
                             save_latest=save_latest, extras_dir=self._save_extras(agreed.save_id),

@@ -18,6 +18,7 @@ its staging copy is done.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -90,6 +91,7 @@ def crc32_in_pieces(memory: memoryview, pool: Executor, piece: int,
     tasks = [(min(piece, memory.nbytes - start), pool.submit(_crc_of_piece, memory, start, piece, ready))
              for start in range(0, memory.nbytes, piece)]
 
+    @functools.cache  # asked for by each place that holds it: the zip's descriptor and directory, the manifest
     def result() -> int:
         crc = 0
         for length, task in tasks:

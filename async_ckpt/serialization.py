@@ -8,12 +8,12 @@ module controls is what happens to them. For a snapshot, whose storages are stag
 outlive the write, the large records are *lent* to storage rather than copied (the local backend
 writes them with ``O_DIRECT`` straight from the buffer). Every byte is checksummed once: the
 CRC-32s torch.save's zip needs are computed by async_ckpt (:mod:`async_ckpt.torch_zip`), the large
-buffers' on :data:`CRC_THREADS` threads, piece by piece as their staging copies complete
-(:func:`checksum_ahead`), and the manifest's CRC-32 of the file is folded from them
-(:class:`ChecksumWriter`, :mod:`async_ckpt.checksum`). Measured on the development machine, a
-600 MiB optimizer file: 0.12 s of the writer's CPU when lent and placed; 0.20 s where nothing is
-lent (S3's path), down from 0.30 s when torch and the manifest each checksummed every byte
-(benchmarks/RESULTS.md).
+buffers' by their staging copies on CPU (:class:`~async_ckpt.staging.CopyTicket`), else on
+:data:`CRC_THREADS` threads, piece by piece as their copies complete (:func:`checksum_ahead`),
+and the manifest's CRC-32 of the file is folded from them (:class:`ChecksumWriter`,
+:mod:`async_ckpt.checksum`). Measured on the development machine, a 600 MiB optimizer file:
+0.12 s of the writer's CPU when lent and placed; 0.20 s where nothing is lent (S3's path), down
+from 0.30 s when torch and the manifest each checksummed every byte (benchmarks/RESULTS.md).
 
 One detail decides whether the bytes equal DeepSpeed's own: ``torch.save`` names the zip records
 after the file (``zero_pp_rank_0_mp_rank_00_optim_states/data.pkl``) only when it is given a
@@ -33,7 +33,7 @@ import os
 import pickle
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -47,7 +47,8 @@ from async_ckpt.staging import COPY_PIECE, StagedFile
 from async_ckpt.storage.base import IO_CHUNK, LEND_MIN, Storage, buffer_address
 from async_ckpt.torch_zip import Crc, resolve_crc
 
-#: Threads per file that checksum its large staging buffers (:func:`~async_ckpt.checksum.crc32` runs without the GIL).
+#: Threads per file that checksum the large staging buffers their copies did not (:func:`~async_ckpt.checksum.crc32`
+#: runs without the GIL).
 CRC_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -246,13 +247,19 @@ def in_copy_order(regions: Sequence[tuple[int, int]], order: Sequence[int]) -> l
     return sorted((r for r in regions if r[1] >= LEND_MIN), key=lambda region: rank.get(region[0], len(rank)))
 
 
-def checksum_ahead(buffers: Sequence[tuple[int, int]], await_copy: AwaitCopy | None,
-                   pool: Executor) -> dict[tuple[int, int], Callable[[], int]]:
-    """Start the CRC-32 of every large staging buffer (address, size; :func:`in_copy_order`'s list) on
-    ``pool``, piece by piece as its copy goes: the records' CRC-32s for :mod:`async_ckpt.torch_zip`,
-    by (address, size)."""
+def checksum_ahead(buffers: Sequence[tuple[int, int]], await_copy: AwaitCopy | None, pool: Executor | None,
+                   copied: Mapping[int, Callable[[], int]] | None = None) -> dict[tuple[int, int], Callable[[], int]]:
+    """The records' CRC-32s for :mod:`async_ckpt.torch_zip`, by (address, size), of every large staging
+    buffer (address, size; :func:`in_copy_order`'s list): those its copy computes (``copied``, the
+    copy ticket's ``crcs``, by address), and the others' started on ``pool``, piece by piece as
+    their copies go."""
     crcs = {}
+    copied = copied or {}
     for address, size in buffers:
+        if address in copied:
+            crcs[(address, size)] = copied[address]
+            continue
+        assert pool is not None, "a buffer whose copy does not checksum it needs checksum threads"
         ready = functools.partial(await_copy, address) if await_copy is not None else None
         memory = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
         crcs[(address, size)] = crc32_in_pieces(memory, pool, COPY_PIECE, ready)
@@ -274,7 +281,8 @@ def _crc_threads(needed: bool) -> Iterator[Executor | None]:
 
 def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, rank: int,
                      scratch_dir: str | None = None, lending: Lending | None = None,
-                     await_copy: AwaitCopy | None = None) -> FileEntry:
+                     await_copy: AwaitCopy | None = None,
+                     copy_crcs: Mapping[int, Callable[[], int]] | None = None) -> FileEntry:
     """``torch.save(obj)`` to ``relpath`` atomically; the entry's path is relative to ``tag_dir``.
 
     With ``scratch_dir`` (a local folder) the bytes are exactly DeepSpeed's (see the module
@@ -282,14 +290,16 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
     that lies in the ``lending`` regions (see :class:`ChecksumWriter`). ``await_copy(address, end)``
     waits for the staging copy into the storage at ``address``, if ``obj``'s copies may still run
     (streamed files only: torch.save into a scratch file has no hook between records, so the caller
-    waits for every copy first).
+    waits for every copy first). ``copy_crcs``: the CRC-32s those copies compute, by buffer address
+    (the copy ticket's ``crcs``); other lent buffers are checksummed on threads of this write.
     """
     if scratch_dir is None:
         order = storage_order(obj) if await_copy is not None else []
         buffers = in_copy_order(lending.regions, order) if lending is not None else []
-        with storage.open_write(relpath) as stream, _crc_threads(bool(buffers)) as pool:
+        unchecked = [address for address, _ in buffers if address not in (copy_crcs or {})]
+        with storage.open_write(relpath) as stream, _crc_threads(bool(unchecked)) as pool:
             writer = ChecksumWriter(stream, lending, await_copy=await_copy, order=order)
-            record_crcs = checksum_ahead(buffers, await_copy, pool) if pool is not None else {}
+            record_crcs = checksum_ahead(buffers, await_copy, pool, copy_crcs)
             writer.write_ahead()
             try:
                 torch_zip.save(obj, writer, record_crcs)

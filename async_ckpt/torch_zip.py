@@ -4,7 +4,8 @@ torch.save computes the CRC-32 of every record on the thread that calls it, reco
 before it writes each one: one core checksums the whole file in sequence (0.3 s per 600 MB on a
 busy core of the development machine), and where the bytes are not lent to storage the manifest
 needed a second pass of its own. Computed here instead, each byte is checksummed once, for the zip
-and the manifest alike, and a large buffer on several threads as its staging copy completes. (On
+and the manifest alike, and a large buffer as its staging copy goes (by the copy itself on CPU,
+else on several threads). (On
 the 2-core development machine this did not shorten time to durable: there the overlapped copy and
 the disk are the chain; see benchmarks/RESULTS.md.) With torch's ``compute_crc32`` setting off
 (thread-local: only the writer thread's saves see it) torch writes the very same records with
@@ -19,8 +20,9 @@ zeros in exactly three places:
 where a record's data starts and ends from the order of torch's ``write()`` calls (per record: the
 local header, the name, the extra field, the data in one call, the descriptor; then the central
 directory and the end records, which it holds until ``flush()``), and takes each record's CRC-32
-from ``record_crcs`` (the large staging buffers, checksummed in parallel pieces as their copies
-complete: :func:`~async_ckpt.checksum.crc32_in_pieces`) or computes it as the data passes. The
+from ``record_crcs`` (the large staging buffers, checksummed by their copies or in parallel pieces
+as their copies complete: :func:`~async_ckpt.serialization.checksum_ahead`) or computes it as the
+data passes. The
 bytes are exactly torch's own: :func:`fills_like_torch` checks that once per process against a
 plain torch.save, and where it does not hold (a torch that lays its zip out differently) torch
 keeps computing its CRC-32s.

@@ -166,7 +166,7 @@ class BackgroundWriter:
                     lending = Lending(staged.regions, staged.placements)
                     written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag,
                                                     rank=job.rank, scratch_dir=scratch_dir, lending=lending,
-                                                    await_copy=await_copy))
+                                                    await_copy=await_copy, copy_crcs=job.ticket.crcs))
                     lent, copied = lent + lending.lent_bytes, copied + lending.copied_bytes
                 else:
                     written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,

@@ -428,6 +428,14 @@ def test_writer_cost_measures_each_way_of_writing_a_file_and_stocks(tmp_path):
     assert all(way["wall_s"] > 0 and way["cpu_s"] >= 0 and way["gbps"] > 0 for way in result.values())
 
 
+def test_copy_checksum_measures_the_copy_alone_then_checksummed_and_in_cache_at_each_piece_size():
+    from async_ckpt.bench.copy_checksum import CACHED_SIZES, measure
+
+    result = measure(4, 1)
+    assert set(result) == {"copy", "copy_then_crc", *(f"cached_{size // 1024}k" for size in CACHED_SIZES)}
+    assert all(way["wall_s"] > 0 and way["cpu_s"] > 0 for way in result.values())
+
+
 def _trace(*events: tuple) -> dict:
     """A Chrome trace of (cat, name, tid, start us, duration us) complete events, all in one process."""
     return {"traceEvents": [{"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}

@@ -15,22 +15,28 @@ import os
 import shutil
 import tempfile
 import threading
+import uuid
 import zipfile
 import zlib
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from async_ckpt import checksum, host_memory, torch_zip
 from async_ckpt.checksum import crc32_combine, format_crc
 from async_ckpt.deepspeed_adapter import estimate_snapshot
+from async_ckpt.handle import SaveHandle
+from async_ckpt.handshake import Handshake
+from async_ckpt.job import SaveJob
 from async_ckpt.serialization import ChecksumWriter, Lending, storage_order, write_torch_file
 from async_ckpt import staging
 from async_ckpt.staging import PLACEMENT_ALIGN, StagingPool
 from async_ckpt.storage import LocalStorage, local
-from async_ckpt.storage.base import buffer_address
+from async_ckpt.storage.base import LEND_MIN, buffer_address
 from async_ckpt.storage.local import DirectWriter, _open_direct
+from async_ckpt.writer import BackgroundWriter
 
 MiB = 1024 * 1024
 
@@ -475,17 +481,17 @@ def test_a_storage_met_out_of_the_predicted_order_fails_the_file(direct_root):
 def test_background_copies_complete_buffer_by_buffer(monkeypatch):
     """The first buffer is ready while a later copy is still held back."""
     release = threading.Event()
-    copy_all = staging._copy_all
+    copy = staging._copy_and_checksum
     pool = StagingPool()
     state, staged = _deferred_snapshot(pool)
     first = staged.deferred[0][0]
 
-    def held_back(pairs):
-        if pairs[0][0] is not first:
+    def held_back(dst, src):
+        if dst is not first:
             assert release.wait(30)
-        copy_all(pairs)
+        return copy(dst, src)
 
-    monkeypatch.setattr(staging, "_copy_all", held_back)
+    monkeypatch.setattr(staging, "_copy_and_checksum", held_back)
     ticket = pool.copy(staged.deferred, background=True)
     ticket.wait_for(first.untyped_storage().data_ptr())
     assert torch.equal(first, staged.deferred[0][1]) and not ticket.done
@@ -499,19 +505,18 @@ def test_a_large_buffer_is_ready_piece_by_piece_as_its_copy_goes(monkeypatch):
     """The first piece of a buffer is ready while the copy of its later pieces is still held back."""
     monkeypatch.setattr(staging, "COPY_PIECE", MiB)
     release = threading.Event()
-    copy_all = staging._copy_all
+    copy = staging._copy_and_checksum
     pool = StagingPool()
     state, staged = _deferred_snapshot(pool)
     flat = next(dst for dst, _ in staged.deferred if dst.numel() > 3 * MiB)  # "flat": 4 pieces
     address = flat.untyped_storage().data_ptr()
 
-    def held_back(pairs):
-        dst = pairs[0][0]
+    def held_back(dst, src):
         if dst.data_ptr() != address:  # every piece but the first of "flat", and every other buffer
             assert release.wait(30)
-        copy_all(pairs)
+        return copy(dst, src)
 
-    monkeypatch.setattr(staging, "_copy_all", held_back)
+    monkeypatch.setattr(staging, "_copy_and_checksum", held_back)
     ticket = pool.copy(staged.deferred, background=True)
     ticket.wait_for(address, MiB)
     source = dict((d.untyped_storage().data_ptr(), s) for d, s in staged.deferred)[address]
@@ -521,6 +526,111 @@ def test_a_large_buffer_is_ready_piece_by_piece_as_its_copy_goes(monkeypatch):
     assert torch.equal(flat, source)
     ticket.wait()
     assert torch.equal(staged.obj["flat"], state["flat"])
+    pool.close()
+
+
+def test_a_background_copy_gives_the_crc32_of_each_staged_storage(monkeypatch):
+    """Pieces of the copy and the cached pieces checksummed within them both end at odd offsets."""
+    monkeypatch.setattr(staging, "COPY_PIECE", MiB)
+    monkeypatch.setattr(staging, "CACHED_PIECE", 100_000)
+    pool = StagingPool()
+    _, staged = _deferred_snapshot(pool)
+    ticket = pool.copy(staged.deferred, background=True)
+    buffers = {dst.untyped_storage().data_ptr(): dst for dst, _ in staged.deferred}
+    assert set(ticket.crcs) == set(buffers)
+    for address, crc in ticket.crcs.items():
+        assert crc() == zlib.crc32(buffers[address].numpy().tobytes())
+    pool.close()
+
+
+def test_an_elementwise_copy_gives_no_crc32_and_a_byte_copy_does():
+    """A compact snapshot's float tensor is copied element by element (torch's copy_), its bytes checksummed by
+    the writer; a uint8 one is copied as bytes and checksummed as it is copied."""
+    pool = StagingPool()
+    state = {"w": torch.randn(64, 64).t(), "b": torch.arange(5000, dtype=torch.int32).view(torch.uint8)}
+    staged = pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=True, compact=True)
+    ticket = pool.copy(staged.deferred, background=True)
+    ticket.wait()
+    byte_copy = staged.obj["b"]
+    assert list(ticket.crcs) == [byte_copy.untyped_storage().data_ptr()]
+    assert ticket.crcs[byte_copy.untyped_storage().data_ptr()]() == zlib.crc32(state["b"].numpy().tobytes())
+    pool.close()
+
+
+def test_a_byte_copy_into_part_of_a_buffer_is_not_checksummed_as_the_buffer():
+    buffer, source = torch.zeros(100, dtype=torch.uint8), torch.ones(100, dtype=torch.uint8)
+    assert staging._whole_flat_storage(buffer, source)
+    assert not staging._whole_flat_storage(buffer[10:], source[10:])
+    assert not staging._whole_flat_storage(buffer[:90], source[:90])
+
+
+def test_a_copy_told_not_to_checksum_gives_no_crc32():
+    """exact_bytes: torch.save computes the CRC-32s of the scratch file it writes; the copy's would go unread."""
+    pool = StagingPool()
+    _, staged = _deferred_snapshot(pool)
+    ticket = pool.copy(staged.deferred, background=True, checksum=False)
+    ticket.wait()
+    assert ticket.crcs == {}
+    pool.close()
+
+
+def _count_crc_pieces(monkeypatch) -> list:
+    """The (memory, start, ...) of every piece the writer's CRC threads checksum from now on."""
+    checksummed = []
+    piece = checksum._crc_of_piece
+    monkeypatch.setattr(checksum, "_crc_of_piece", lambda *args: checksummed.append(args) or piece(*args))
+    return checksummed
+
+
+def test_lent_records_take_their_crc32_from_the_copy_and_start_no_crc_threads(direct_root, monkeypatch):
+    assert torch_zip.fills_like_torch()  # else torch computes the CRC-32s and nothing here is asked for
+    checksummed = _count_crc_pieces(monkeypatch)
+    pool = StagingPool()
+    for tag in ("t1", "t2"):  # the second save is placed: its buffers are written ahead of their copy
+        state, staged = _deferred_snapshot(pool)
+        ticket = pool.copy(staged.deferred, background=True)
+        entry = write_torch_file(LocalStorage(str(direct_root / "root")), f"{tag}/x.pt", staged.obj, tag_dir=tag,
+                                 rank=0, lending=Lending(staged.regions, staged.placements),
+                                 await_copy=ticket.wait_for, copy_crcs=ticket.crcs)
+        written = (direct_root / "root" / tag / "x.pt").read_bytes()
+        assert written == _torch_save_bytes(state) and entry.crc32 == format_crc(zlib.crc32(written))
+    pool.close()
+    assert checksummed == []
+
+
+def test_a_buffer_its_copy_did_not_checksum_is_checksummed_on_the_crc_threads(direct_root, monkeypatch):
+    assert torch_zip.fills_like_torch()
+    checksummed = _count_crc_pieces(monkeypatch)
+    pool = StagingPool()
+    state, staged = _deferred_snapshot(pool)
+    ticket = pool.copy(staged.deferred, background=True)
+    lent = {address for address, size in staged.regions if size >= LEND_MIN}
+    given = sorted(lent)[0]
+    entry = write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                             lending=Lending(staged.regions, staged.placements), await_copy=ticket.wait_for,
+                             copy_crcs={given: ticket.crcs[given]})
+    written = (direct_root / "root" / "t" / "x.pt").read_bytes()
+    assert written == _torch_save_bytes(state) and entry.crc32 == format_crc(zlib.crc32(written))
+    assert {buffer_address(memory) for memory, *_ in checksummed} == lent - {given}
+    pool.close()
+
+
+def test_the_background_writer_takes_a_deferred_snapshots_crc32s_from_its_copy(direct_root, monkeypatch):
+    assert torch_zip.fills_like_torch()
+    checksummed = _count_crc_pieces(monkeypatch)
+    pool, root = StagingPool(), str(direct_root / "root")
+    state, staged = _deferred_snapshot(pool)
+    handle, errors = SaveHandle(tag="t", url=root), []
+    job = SaveJob(tag="t", save_id=uuid.uuid4().hex, storage=LocalStorage(root), rank=0, world_size=1,
+                  files=[staged], ticket=pool.copy(staged.deferred, background=True), handle=handle,
+                  handshake=Handshake(dist.HashStore(), "s", 0, 1), save_latest=True, keep_last=None,
+                  keep_every=None, metadata={"step": 1}, extras_dir=None)
+    writer = BackgroundWriter(0, 60, errors.append, cache_dir=str(direct_root / "cache"))
+    writer.submit(job)
+    writer.stop()
+    assert writer.join(60) and not errors and handle.result(0).tag == "t"
+    assert (direct_root / "root" / "t" / "x.pt").read_bytes() == _torch_save_bytes(state)
+    assert checksummed == []
     pool.close()
 
 

@@ -8,7 +8,8 @@ written again and again to a local folder, alternating the two ways the writer c
   memory was lent to storage; what every byte costs where nothing is lent, as on S3), each
   checksummed once as it streams;
 - ``lending``: large records written straight from the staging buffers (placed by the previous
-  write, and written ahead), checksummed on the CRC threads as in a save;
+  write, and written ahead), checksummed on the CRC threads as in a save whose copy ran in the save
+  call (a copy in the background checksums as it copies: :mod:`async_ckpt.bench.copy_checksum`);
 - ``in_place``: the state itself, not a staged copy, lent as a synchronous save lends it
   (:func:`~async_ckpt.serialization.in_place`);
 - ``torch_save``: stock DeepSpeed's write, ``torch.save`` of the state to a file in the same folder

@@ -223,6 +223,7 @@ class WriterProcess:
             where = getattr(storage, "url", storage)
             raise RuntimeError(f"the writer-process prototype writes local folders only, not {where!r}")
         options = {"fsync": getattr(storage, "fsync", True), "direct_io": getattr(storage, "direct_io", True)}
+        kwargs.pop("copy_crcs", None)  # computed in this process; the worker checksums what it writes
         await_copy = kwargs.pop("await_copy", None)  # the copies run in this process: wait for them all here
         if await_copy is not None:
             for address in storage_order(obj):
