@@ -567,8 +567,8 @@ def _copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
 
     In pieces of :data:`CACHED_PIECE`, each checksummed right after its copy while it is still in the
     core's cache: a CRC-32 pass of its own, after the copy, reads the whole buffer from memory again.
-    ``memmove`` rather than torch's ``copy_``: from this thread, ``copy_`` spreads over torch's
-    intra-op threads, which then spin between pieces. On the development machine (2 vCPUs, 2 MiB of
+    ``memmove`` rather than torch's ``copy_``, which may spread over torch's intra-op threads, and
+    those spin between pieces. On the development machine (2 vCPUs, 2 MiB of
     L2 per core), 512 MiB copied with ``copy_`` on 2 threads, then checksummed, took 159 ms of CPU;
     copied and checksummed here, 85 ms (:mod:`async_ckpt.bench.copy_checksum`, benchmarks/RESULTS.md).
     Both ``memmove`` and the CRC-32 run without the GIL."""
