@@ -19,8 +19,8 @@ its staging copy is done.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from concurrent.futures import Executor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from isal import isal_zlib
@@ -90,11 +90,18 @@ def crc32_in_pieces(memory: memoryview, pool: Executor, piece: int,
     """
     tasks = [(min(piece, memory.nbytes - start), pool.submit(_crc_of_piece, memory, start, piece, ready))
              for start in range(0, memory.nbytes, piece)]
+    return combined_crc(tasks)
 
-    @functools.cache  # asked for by each place that holds it: the zip's descriptor and directory, the manifest
+
+def combined_crc(pieces: Sequence[tuple[int, Future[int]]]) -> Callable[[], int]:
+    """A function that waits for the CRC-32s of consecutive pieces, given as (length, future), and returns the
+    CRC-32 of the whole; combined once, however often it is asked for (by the zip's data descriptor and
+    central directory, and by the manifest)."""
+
+    @functools.cache
     def result() -> int:
         crc = 0
-        for length, task in tasks:
+        for length, task in pieces:
             crc = crc32_combine(crc, task.result(), length)
         return crc
 

@@ -248,13 +248,12 @@ def in_copy_order(regions: Sequence[tuple[int, int]], order: Sequence[int]) -> l
 
 
 def checksum_ahead(buffers: Sequence[tuple[int, int]], await_copy: AwaitCopy | None, pool: Executor | None,
-                   copied: Mapping[int, Callable[[], int]] | None = None) -> dict[tuple[int, int], Callable[[], int]]:
+                   copied: Mapping[int, Callable[[], int]]) -> dict[tuple[int, int], Callable[[], int]]:
     """The records' CRC-32s for :mod:`async_ckpt.torch_zip`, by (address, size), of every large staging
     buffer (address, size; :func:`in_copy_order`'s list): those its copy computes (``copied``, the
     copy ticket's ``crcs``, by address), and the others' started on ``pool``, piece by piece as
     their copies go."""
     crcs = {}
-    copied = copied or {}
     for address, size in buffers:
         if address in copied:
             crcs[(address, size)] = copied[address]
@@ -296,7 +295,8 @@ def write_torch_file(storage: Storage, relpath: str, obj: Any, *, tag_dir: str, 
     if scratch_dir is None:
         order = storage_order(obj) if await_copy is not None else []
         buffers = in_copy_order(lending.regions, order) if lending is not None else []
-        unchecked = [address for address, _ in buffers if address not in (copy_crcs or {})]
+        copy_crcs = copy_crcs or {}
+        unchecked = [address for address, _ in buffers if address not in copy_crcs]
         with storage.open_write(relpath) as stream, _crc_threads(bool(unchecked)) as pool:
             writer = ChecksumWriter(stream, lending, await_copy=await_copy, order=order)
             record_crcs = checksum_ahead(buffers, await_copy, pool, copy_crcs)

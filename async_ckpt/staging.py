@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from async_ckpt import host_memory
-from async_ckpt.checksum import crc32, crc32_combine
+from async_ckpt.checksum import combined_crc, crc32
 from async_ckpt.errors import UsageError
 from async_ckpt.storage.base import anonymous_memory, buffer_address
 
@@ -265,8 +265,10 @@ class StagingPool:
             for dst, src in host_pairs:
                 address = dst.untyped_storage().data_ptr()
                 if checksum and _whole_flat_storage(dst, src):
-                    pieces = [(start, helper.submit(_copy_and_checksum, *piece)) for start, piece in _pieces(dst, src)]
-                    crcs[address] = functools.cache(functools.partial(_combined_crc, pieces, dst.numel()))
+                    parts = [(start, pair[0].numel(), helper.submit(_copy_and_checksum, *pair))
+                             for start, pair in _pieces(dst, src)]
+                    pieces = [(start, future) for start, _, future in parts]
+                    crcs[address] = combined_crc([(length, future) for _, length, future in parts])
                 else:
                     pieces = [(start, helper.submit(_copy_all, [piece])) for start, piece in _pieces(dst, src)]
                 waiters += [future.result for _, future in pieces]
@@ -579,16 +581,6 @@ def _copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
         length = min(CACHED_PIECE, size - start)
         ctypes.memmove(into + start, source + start, length)
         crc = crc32(copied[start:start + length], crc)
-    return crc
-
-
-def _combined_crc(pieces: list[tuple[int, Future[int]]], size: int) -> int:
-    """The CRC-32 of a buffer copied by :func:`_copy_and_checksum` in ``pieces`` (first byte, future), once
-    they are all done."""
-    crc = 0
-    for index, (start, future) in enumerate(pieces):
-        end = pieces[index + 1][0] if index + 1 < len(pieces) else size
-        crc = crc32_combine(crc, future.result(), end - start)
     return crc
 
 
