@@ -43,7 +43,7 @@ from async_ckpt.layout import MANIFEST, manifest_path, model_parallel_size, vali
 from async_ckpt.manifest import Manifest
 from async_ckpt.pull import PullReport
 from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, rank_files, resolve
-from async_ckpt.serialization import in_place
+from async_ckpt.serialization import in_place, record_offsets
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
 from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, holds_chosen_save,
@@ -857,8 +857,11 @@ class AsyncCheckpointer:
         started = time.perf_counter()
         write_in_place = self.synchronous and not compact and not self._session.storage.aligned_lending
         staged = in_place(state_dict, relpath) if write_in_place else None
+        # buffers are placed where O_DIRECT can write them from, which torch's own scratch-file save does not
+        placed = self._session.storage.aligned_lending and not self.config.exact_bytes
         self._session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
-                                                                 slot_key=name, defer=defer, compact=compact))
+                                                                 slot_key=name, defer=defer, compact=compact,
+                                                                 layout=record_offsets if placed else None))
         self._session.snapshot_s += time.perf_counter() - started
 
     def _before_optimizer_step(self) -> None:

@@ -125,6 +125,50 @@ class _Discard:
         return len(data)
 
 
+def record_offsets(obj: Any, regions: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """The file offset at which torch.save writes each lendable buffer of ``obj`` (large, in ``regions``): what
+    the writer's :class:`Lending` will note as the buffers' placements, found before the file is written.
+
+    The staging pool places a snapshot's new buffers by it, so that the first save after ``wrap()`` lends
+    them to ``O_DIRECT`` and writes ahead as later saves do (they are placed by where the previous write put
+    them); unplaced, the first save's I/O threads copied every byte into aligned memory. It is torch.save
+    itself, with its CRC-32s off, into a stream that keeps nothing: the offsets do not depend on the data,
+    and of a tensor's bytes torch then reads only the first four (it compares each record's start with a
+    data descriptor's signature), so the buffers of a snapshot whose copies have not run yet can be laid out.
+    """
+    layout = _Layout(regions)
+    with torch_zip.torch_crc(False):
+        torch.save(obj, layout)
+    return layout.offsets
+
+
+class _Layout:
+    """A stream that keeps nothing, noting where each lendable buffer (see :func:`record_offsets`) lands."""
+
+    def __init__(self, regions: Sequence[tuple[int, int]]) -> None:
+        self._regions = regions
+        self.offsets: dict[int, int] = {}
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if _lendable(view, self._regions):
+            self.offsets[buffer_address(view)] = self.size
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        """torch.save flushes the stream it wrote to; nothing was kept."""
+
+
+def _lendable(view: memoryview, regions: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``view`` is large enough to lend and lies in one of the ``regions`` (address, size)."""
+    if view.nbytes < LEND_MIN:
+        return False
+    start = buffer_address(view)
+    return any(lo <= start and start + view.nbytes <= lo + size for lo, size in regions)
+
+
 class ChecksumWriter:
     """Write-only stream that forwards every byte and keeps a running size and CRC-32.
 
@@ -212,12 +256,9 @@ class ChecksumWriter:
 
     def _lendable(self, view: memoryview) -> bool:
         """Whether ``view`` lies in lendable memory; if so, its file offset is noted in the placements."""
-        if view.nbytes < LEND_MIN or self._lending is None:
+        if self._lending is None or not _lendable(view, self._lending.regions):
             return False
-        start = buffer_address(view)
-        if not any(lo <= start and start + view.nbytes <= lo + size for lo, size in self._lending.regions):
-            return False
-        self._lending.placements[start] = self.size
+        self._lending.placements[buffer_address(view)] = self.size
         return True
 
     def _write_all(self, view: memoryview) -> None:

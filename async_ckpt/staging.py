@@ -26,9 +26,10 @@ import mmap
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -40,6 +41,9 @@ from async_ckpt.storage.base import anonymous_memory, buffer_address
 logger = logging.getLogger("async_ckpt")
 
 CopyPair = tuple[torch.Tensor, torch.Tensor]
+#: ``layout(staged, regions)``: the file offset, by buffer address, at which each buffer in ``regions``
+#: (address, size) of a staged object will be written (see :meth:`StagingPool.snapshot`).
+Layout = Callable[[Any, Sequence[tuple[int, int]]], dict[int, int]]
 
 #: Host buffers are placed so that address and file offset agree modulo this (a page: any device's
 #: ``O_DIRECT`` alignment).
@@ -215,26 +219,37 @@ class StagingPool:
             return
         self._trimming = self._helper_thread().submit(self._trim, self._reserve, start)
 
-    def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool, compact: bool = False) -> StagedFile:
+    def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool, compact: bool = False,
+                 layout: Layout | None = None) -> StagedFile:
         """Copy (or, with ``defer``, plan the copy of) every tensor in ``obj`` into pooled buffers.
 
         ``compact`` stages what DeepSpeed's clone before saving would produce (see :class:`_Memo`).
+        ``layout(staged, regions)``: the file offset each buffer of the staged object will be written at
+        (:func:`~async_ckpt.serialization.record_offsets`). Buffers new to this snapshot have no placement
+        yet (no write has put them anywhere): with ``layout`` they are placed by it before any copy.
         """
         if self._reserve_pin is not None and self._trimming is not None:
             self._trimming.result()  # the reserve is pinned again before any copy into it
-        pairs: list[CopyPair] = []
-        memo = _Memo(compact=compact)
-        counter = iter(range(1 << 62))
-        with torch.no_grad():
-            staged = self._copy_tree(obj, slot_key, counter, memo, pairs, path="")
+        allocations = self.allocations
+        staged, pairs = self._stage(obj, slot_key, compact)
+        if layout is not None and self.allocations > allocations:
+            self._placements.update(layout(staged, _regions(pairs)))
+            staged, pairs = self._stage(obj, slot_key, compact)  # the same slots, moved to their placements
         nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
-        regions = sorted({(dst.untyped_storage().data_ptr(), dst.untyped_storage().nbytes()) for dst, _ in pairs})
+        regions = _regions(pairs)
         result = StagedFile(relpath=relpath, obj=staged, nbytes=nbytes, regions=regions, placements=self._placements)
         if defer:
             result.deferred = pairs
         else:
             self.copy(pairs).wait()
         return result
+
+    def _stage(self, obj: Any, slot_key: str, compact: bool) -> tuple[Any, list[CopyPair]]:
+        """``obj`` with its tensors in pooled buffers, and the copies that fill them (not started)."""
+        pairs: list[CopyPair] = []
+        with torch.no_grad():
+            staged = self._copy_tree(obj, slot_key, iter(range(1 << 62)), _Memo(compact=compact), pairs, path="")
+        return staged, pairs
 
     def copy(self, pairs: list[CopyPair], *, background: bool = False, checksum: bool = True) -> CopyTicket:
         """Start the copies and return their ticket.
@@ -513,6 +528,11 @@ class StagingPool:
         if memo.compact:
             return tuple(elements)  # as DeepSpeed's clone rebuilds tuples
         return type(obj)(*elements) if hasattr(obj, "_fields") else type(obj)(elements)
+
+
+def _regions(pairs: list[CopyPair]) -> list[tuple[int, int]]:
+    """The (address, size) of each pooled buffer the copies fill, once, by address."""
+    return sorted({(dst.untyped_storage().data_ptr(), dst.untyped_storage().nbytes()) for dst, _ in pairs})
 
 
 def _synchronize(streams: dict[torch.device, Any]) -> None:

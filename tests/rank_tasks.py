@@ -754,7 +754,8 @@ def _fast_persist_save(engine, root: str, tag: str) -> None:
 def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3_url: str | None = None,
                                     s3_options: dict | None = None) -> list[dict]:
     """Per ZeRO stage and dtype, on the 'small' model (optimizer records of megabytes, so they are lent):
-    two async_ckpt saves with defaults (the second one's buffers placed by the first), FastPersist's save of
+    two async_ckpt saves with defaults (the first one's buffers placed by their layout, the second one's by
+    where the first wrote them), FastPersist's save of
     the same step, optionally the same step to S3, then a fresh engine loads the async save and both
     engines train one more step."""
     out = []
@@ -764,7 +765,8 @@ def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3
         engine = workload.make_engine(stage, dtype, size="small")
         workload.train(engine, 1, tokens, _rank())
         with async_ckpt.wrap(engine, f"{base}/async") as ckpt:
-            first = ckpt.save(tag="first", client_state=dict(CLIENT_STATE)).result(timeout=300)
+            first_handle = ckpt.save(tag="first", client_state=dict(CLIENT_STATE))
+            first = first_handle.result(timeout=300)
             outside_reserve, staged = ckpt.staging_outside_reserve, ckpt.staging_bytes
             workload.train(engine, 1, tokens, _rank())
             handle = ckpt.save(tag="second", client_state=dict(CLIENT_STATE))
@@ -778,7 +780,8 @@ def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3
         fresh.load_checkpoint(f"{base}/async", tag="second")
         out.append({"combo": f"zero{stage}-{dtype}", "first_bytes": first.bytes_written,
                     "outside_reserve": outside_reserve, "estimated": estimate_snapshot(engine).nbytes,
-                    "staged": staged, "zero_copy_bytes": handle.metrics["zero_copy_bytes"],
+                    "staged": staged,
+                    "zero_copy_bytes": [first_handle.metrics["zero_copy_bytes"], handle.metrics["zero_copy_bytes"]],
                     "losses": losses, "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
     return out
 

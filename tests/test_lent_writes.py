@@ -13,6 +13,8 @@ import logging
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -30,7 +32,7 @@ from async_ckpt.deepspeed_adapter import estimate_snapshot
 from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake
 from async_ckpt.job import SaveJob
-from async_ckpt.serialization import ChecksumWriter, Lending, storage_order, write_torch_file
+from async_ckpt.serialization import ChecksumWriter, Lending, record_offsets, storage_order, write_torch_file
 from async_ckpt import staging
 from async_ckpt.staging import PLACEMENT_ALIGN, StagingPool
 from async_ckpt.storage import LocalStorage, local
@@ -106,6 +108,69 @@ def test_second_snapshot_is_placed_to_be_written_without_a_copy(direct_root):
         copied.append(lending.copied_bytes)
     assert copied[1] == 0
     assert all((address - offset) % PLACEMENT_ALIGN == 0 for address, offset in staged.placements.items())
+
+
+def test_the_layout_gives_the_offsets_the_writer_then_places_the_lent_buffers_at(direct_root):
+    staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    offsets = record_offsets(staged.obj, staged.regions)
+    lending = Lending(staged.regions)
+    write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                     lending=lending)
+    assert offsets == lending.placements
+    assert len(offsets) == sum(size >= LEND_MIN for _, size in staged.regions) == 4
+
+
+def test_a_first_snapshot_placed_by_the_layout_is_written_without_a_copy(direct_root):
+    staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False, layout=record_offsets)
+    lending = Lending(staged.regions, staged.placements)
+    write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                     lending=lending)
+    assert (direct_root / "root" / "t" / "x.pt").read_bytes() == _torch_save_bytes(staged.obj)
+    assert lending.lent_bytes >= 7 * MiB and lending.copied_bytes == 0
+
+
+def test_a_first_deferred_snapshot_placed_by_the_layout_writes_ahead_without_a_copy(direct_root, monkeypatch):
+    written_ahead = []
+    write_ahead = DirectWriter.write_ahead
+    monkeypatch.setattr(DirectWriter, "write_ahead",
+                        lambda self, data, offset, **kw: written_ahead.append(offset) or write_ahead(self, data, offset,
+                                                                                                      **kw))
+    pool, state = StagingPool(), _state()
+    staged = pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=True, layout=record_offsets)
+    ticket = pool.copy(staged.deferred, background=True)
+    lending = Lending(staged.regions, staged.placements)
+    write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                     lending=lending, await_copy=ticket.wait_for, copy_crcs=ticket.crcs)
+    assert (direct_root / "root" / "t" / "x.pt").read_bytes() == _torch_save_bytes(state)
+    assert sorted(written_ahead) == sorted(staged.placements.values()) and len(written_ahead) == 4
+    assert lending.copied_bytes == 0
+    pool.close()
+
+
+def test_the_layout_is_asked_only_by_a_snapshot_with_new_buffers():
+    asked = []
+    pool = StagingPool()
+    for _ in range(3):
+        staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False,
+                               layout=lambda obj, regions: asked.append(1) or record_offsets(obj, regions))
+    assert asked == [1] and pool.allocations == len(staged.regions)
+
+
+def test_the_layout_reads_no_tensor_bytes_past_each_records_first_page():
+    """A deferred snapshot's buffers are laid out before its copies run: reading them would read nothing
+    of the state (a read of the protected pages here kills the process)."""
+    code = (
+        "import ctypes, mmap, torch\n"
+        "from async_ckpt.serialization import record_offsets\n"
+        "size = 8 << 20\n"
+        "tensor = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)\n"
+        "libc = ctypes.CDLL(None)\n"
+        "libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\n"
+        "assert libc.mprotect(tensor.data_ptr() + 4096, size - 4096, 0) == 0  # PROT_NONE\n"
+        "print(list(record_offsets({'t': tensor, 'step': 3}, [(tensor.data_ptr(), size)]).values()))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert len(eval(result.stdout)) == 1
 
 
 def test_placing_buffers_allocates_nothing_new():

@@ -2,8 +2,8 @@
 
 async_ckpt's default files are torch.save's stream output, the bytes DeepSpeed's FastPersist engine
 writes. The 'small' model's optimizer records are megabytes, so they are lent to the O_DIRECT writer
-straight from the staging buffers; the second save's buffers are placed by the first so that
-nothing is copied. DeepSpeed's own loader and zero_to_fp32 judge the result, for ZeRO-1/2/3, fp32
+straight from the staging buffers, placed so that nothing is copied: the first save's by the layout
+torch.save will give the file, the next ones' by where the previous save wrote them. DeepSpeed's own loader and zero_to_fp32 judge the result, for ZeRO-1/2/3, fp32
 and bf16, and the same step saved to S3 (moto) must give the same bytes.
 """
 
@@ -51,9 +51,9 @@ def test_wrap_estimates_each_ranks_staged_bytes_to_within_one_percent(saved, ind
 
 
 @pytest.mark.parametrize("index", range(len(COMBOS)), ids=IDS)
-def test_second_save_writes_the_optimizer_records_without_a_copy(saved, index):
+def test_the_first_and_second_saves_write_the_optimizer_records_without_a_copy(saved, index):
     for rank in saved["ranks"]:
-        assert rank[index]["zero_copy_bytes"] >= rank[index]["first_bytes"] // 2
+        assert [lent >= rank[index]["first_bytes"] // 2 for lent in rank[index]["zero_copy_bytes"]] == [True, True]
 
 
 @pytest.mark.parametrize("index", range(len(COMBOS)), ids=IDS)
