@@ -861,7 +861,7 @@ class AsyncCheckpointer:
         placed = self._session.storage.aligned_lending and not self.config.exact_bytes
         self._session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
                                                                  slot_key=name, defer=defer, compact=compact,
-                                                                 layout=record_offsets if placed else None))
+                                                                 offsets_of=record_offsets if placed else None))
         self._session.snapshot_s += time.perf_counter() - started
 
     def _before_optimizer_step(self) -> None:

@@ -121,8 +121,13 @@ def in_place(obj: Any, relpath: str) -> StagedFile | None:
 
 
 class _Discard:
+    """A stream that keeps nothing."""
+
     def write(self, data: Any) -> int:
         return len(data)
+
+    def flush(self) -> None:
+        """torch.save flushes the stream it wrote to; nothing was kept."""
 
 
 def record_offsets(obj: Any, regions: Sequence[tuple[int, int]]) -> dict[int, int]:
@@ -135,6 +140,9 @@ def record_offsets(obj: Any, regions: Sequence[tuple[int, int]]) -> dict[int, in
     itself, with its CRC-32s off, into a stream that keeps nothing: the offsets do not depend on the data,
     and of a tensor's bytes torch then reads only the first four (it compares each record's start with a
     data descriptor's signature), so the buffers of a snapshot whose copies have not run yet can be laid out.
+    torch's serialization settings are per thread: this runs on the training thread and the file is written
+    on the writer's, so a setting changed on one thread only (``save.storage_alignment``) makes the offsets
+    wrong. That costs the first save its copies (and writes ahead written again), never a wrong byte.
     """
     layout = _Layout(regions)
     with torch_zip.torch_crc(False):
@@ -142,7 +150,7 @@ def record_offsets(obj: Any, regions: Sequence[tuple[int, int]]) -> dict[int, in
     return layout.offsets
 
 
-class _Layout:
+class _Layout(_Discard):
     """A stream that keeps nothing, noting where each lendable buffer (see :func:`record_offsets`) lands."""
 
     def __init__(self, regions: Sequence[tuple[int, int]]) -> None:
@@ -156,9 +164,6 @@ class _Layout:
             self.offsets[buffer_address(view)] = self.size
         self.size += view.nbytes
         return view.nbytes
-
-    def flush(self) -> None:
-        """torch.save flushes the stream it wrote to; nothing was kept."""
 
 
 def _lendable(view: memoryview, regions: Sequence[tuple[int, int]]) -> bool:

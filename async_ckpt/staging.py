@@ -36,14 +36,14 @@ import torch
 from async_ckpt import host_memory
 from async_ckpt.checksum import combined_crc, crc32
 from async_ckpt.errors import UsageError
-from async_ckpt.storage.base import anonymous_memory, buffer_address
+from async_ckpt.storage.base import LEND_MIN, anonymous_memory, buffer_address
 
 logger = logging.getLogger("async_ckpt")
 
 CopyPair = tuple[torch.Tensor, torch.Tensor]
-#: ``layout(staged, regions)``: the file offset, by buffer address, at which each buffer in ``regions``
-#: (address, size) of a staged object will be written (see :meth:`StagingPool.snapshot`).
-Layout = Callable[[Any, Sequence[tuple[int, int]]], dict[int, int]]
+#: ``offsets_of(staged, regions)``: the file offset, by buffer address, at which each large buffer in
+#: ``regions`` (address, size) of a staged object will be written (see :meth:`StagingPool.snapshot`).
+RecordOffsets = Callable[[Any, Sequence[tuple[int, int]]], dict[int, int]]
 
 #: Host buffers are placed so that address and file offset agree modulo this (a page: any device's
 #: ``O_DIRECT`` alignment).
@@ -120,9 +120,10 @@ class StagedFile:
     #: (address, size) of the pooled buffers ``obj`` lives in: memory that stays unchanged until the
     #: file is written, so the writer may lend it to storage instead of copying it.
     regions: list[tuple[int, int]] = field(default_factory=list)
-    #: Filled by the writer: buffer address -> file offset its bytes were written at. The pool's own
-    #: dict: the next snapshot places each buffer where it can be written with no copy, and the next
-    #: write starts writing it there before torch.save reaches it (the layout repeats).
+    #: Buffer address -> file offset its bytes were (or will be) written at: filled by the writer, and
+    #: before a snapshot's first write by its ``offsets_of``. The pool's own dict: the next snapshot places
+    #: each buffer where it can be written with no copy, and the next write starts writing it there before
+    #: torch.save reaches it (the layout repeats).
     placements: dict[int, int] = field(default_factory=dict)
     #: ``obj`` is the training state itself, not a copy (:func:`~async_ckpt.serialization.in_place`): it is
     #: valid only while training waits for the save.
@@ -220,23 +221,27 @@ class StagingPool:
         self._trimming = self._helper_thread().submit(self._trim, self._reserve, start)
 
     def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool, compact: bool = False,
-                 layout: Layout | None = None) -> StagedFile:
+                 offsets_of: RecordOffsets | None = None) -> StagedFile:
         """Copy (or, with ``defer``, plan the copy of) every tensor in ``obj`` into pooled buffers.
 
         ``compact`` stages what DeepSpeed's clone before saving would produce (see :class:`_Memo`).
-        ``layout(staged, regions)``: the file offset each buffer of the staged object will be written at
-        (:func:`~async_ckpt.serialization.record_offsets`). Buffers new to this snapshot have no placement
-        yet (no write has put them anywhere): with ``layout`` they are placed by it before any copy.
+        ``offsets_of(staged, regions)``: the file offset each large buffer of the staged object will be
+        written at (:func:`~async_ckpt.serialization.record_offsets`). A large buffer no write has placed
+        yet (new to this snapshot, or last written where nothing is placed, as to S3) is placed by it
+        before any copy.
         """
         if self._reserve_pin is not None and self._trimming is not None:
             self._trimming.result()  # the reserve is pinned again before any copy into it
-        allocations = self.allocations
-        staged, pairs = self._stage(obj, slot_key, compact)
-        if layout is not None and self.allocations > allocations:
-            self._placements.update(layout(staged, _regions(pairs)))
-            staged, pairs = self._stage(obj, slot_key, compact)  # the same slots, moved to their placements
-        nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        memo = _Memo(compact=compact)
+        staged, pairs = self._stage(obj, slot_key, memo)
         regions = _regions(pairs)
+        if offsets_of is not None and any(size >= LEND_MIN and address not in self._placements
+                                          for address, size in regions):
+            self._placements.update(offsets_of(staged, regions))
+            # the same slots, moved to their placements; plain values are not copied again
+            staged, pairs = self._stage(obj, slot_key, _Memo(compact=compact, values=memo.values))
+            regions = _regions(pairs)
+        nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
         result = StagedFile(relpath=relpath, obj=staged, nbytes=nbytes, regions=regions, placements=self._placements)
         if defer:
             result.deferred = pairs
@@ -244,11 +249,11 @@ class StagingPool:
             self.copy(pairs).wait()
         return result
 
-    def _stage(self, obj: Any, slot_key: str, compact: bool) -> tuple[Any, list[CopyPair]]:
+    def _stage(self, obj: Any, slot_key: str, memo: _Memo) -> tuple[Any, list[CopyPair]]:
         """``obj`` with its tensors in pooled buffers, and the copies that fill them (not started)."""
         pairs: list[CopyPair] = []
         with torch.no_grad():
-            staged = self._copy_tree(obj, slot_key, iter(range(1 << 62)), _Memo(compact=compact), pairs, path="")
+            staged = self._copy_tree(obj, slot_key, iter(range(1 << 62)), memo, pairs, path="")
         return staged, pairs
 
     def copy(self, pairs: list[CopyPair], *, background: bool = False, checksum: bool = True) -> CopyTicket:
@@ -403,7 +408,8 @@ class StagingPool:
 
     def _placed_buffer(self, slot: tuple[str, int], nbytes: int, pin_for: torch.device | None) -> torch.Tensor:
         """A host buffer whose address is congruent, modulo :data:`PLACEMENT_ALIGN`, to the file offset
-        the same slot's bytes were written at last time (the record layout repeats from save to save).
+        the same slot's bytes were written at last time (the record layout repeats from save to save), or,
+        for a buffer no write has placed yet, will be written at (the snapshot's ``offsets_of``).
 
         Aligned so, a buffer can be written with ``O_DIRECT`` straight from its memory (see
         :class:`~async_ckpt.storage.local.DirectWriter`). Each buffer sits in an anonymous mapping

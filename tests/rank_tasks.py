@@ -755,9 +755,8 @@ def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3
                                     s3_options: dict | None = None) -> list[dict]:
     """Per ZeRO stage and dtype, on the 'small' model (optimizer records of megabytes, so they are lent):
     two async_ckpt saves with defaults (the first one's buffers placed by their layout, the second one's by
-    where the first wrote them), FastPersist's save of
-    the same step, optionally the same step to S3, then a fresh engine loads the async save and both
-    engines train one more step."""
+    where the first wrote them), FastPersist's save of the same step, optionally the same step to S3,
+    then a fresh engine loads the async save and both engines train one more step."""
     out = []
     for stage, dtype in combos:
         base = f"{root}/zero{stage}-{dtype}"

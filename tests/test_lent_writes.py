@@ -7,6 +7,7 @@ and the manifest's checksums are exactly what the copying path produced before.
 
 from __future__ import annotations
 
+import ast
 import gc
 import io
 import logging
@@ -88,7 +89,7 @@ def test_the_packages_crc32_is_zlibs_for_any_buffer_and_starting_value(n, start)
 
 def test_lent_snapshot_file_and_crc_equal_torch_save_on_every_save(direct_root):
     pool, storage = StagingPool(), LocalStorage(str(direct_root / "root"))
-    for _ in range(3):  # the first save places nothing yet; the next ones are placed by the first
+    for _ in range(3):  # with no offsets_of the first save places nothing; the next ones are placed by it
         staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
         lending = Lending(staged.regions, staged.placements)
         entry = write_torch_file(storage, "t/x.pt", staged.obj, tag_dir="t", rank=0, lending=lending)
@@ -121,7 +122,7 @@ def test_the_layout_gives_the_offsets_the_writer_then_places_the_lent_buffers_at
 
 
 def test_a_first_snapshot_placed_by_the_layout_is_written_without_a_copy(direct_root):
-    staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False, layout=record_offsets)
+    staged = StagingPool().snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False, offsets_of=record_offsets)
     lending = Lending(staged.regions, staged.placements)
     write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
                      lending=lending)
@@ -130,13 +131,15 @@ def test_a_first_snapshot_placed_by_the_layout_is_written_without_a_copy(direct_
 
 
 def test_a_first_deferred_snapshot_placed_by_the_layout_writes_ahead_without_a_copy(direct_root, monkeypatch):
-    written_ahead = []
-    write_ahead = DirectWriter.write_ahead
-    monkeypatch.setattr(DirectWriter, "write_ahead",
-                        lambda self, data, offset, **kw: written_ahead.append(offset) or write_ahead(self, data, offset,
-                                                                                                      **kw))
+    written_ahead, write_ahead = [], DirectWriter.write_ahead
+
+    def noting_write_ahead(self, data, offset, **kwargs):
+        written_ahead.append(offset)
+        write_ahead(self, data, offset, **kwargs)
+
+    monkeypatch.setattr(DirectWriter, "write_ahead", noting_write_ahead)
     pool, state = StagingPool(), _state()
-    staged = pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=True, layout=record_offsets)
+    staged = pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=True, offsets_of=record_offsets)
     ticket = pool.copy(staged.deferred, background=True)
     lending = Lending(staged.regions, staged.placements)
     write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
@@ -147,13 +150,42 @@ def test_a_first_deferred_snapshot_placed_by_the_layout_writes_ahead_without_a_c
     pool.close()
 
 
-def test_the_layout_is_asked_only_by_a_snapshot_with_new_buffers():
-    asked = []
-    pool = StagingPool()
+def test_the_layout_is_asked_only_while_a_large_buffer_is_unplaced(direct_root):
+    asked, pool = [], StagingPool()
+
+    def offsets_of(obj, regions):
+        asked.append(len(regions))
+        return record_offsets(obj, regions)
+
     for _ in range(3):
-        staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False,
-                               layout=lambda obj, regions: asked.append(1) or record_offsets(obj, regions))
-    assert asked == [1] and pool.allocations == len(staged.regions)
+        staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False, offsets_of=offsets_of)
+        write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                         lending=Lending(staged.regions, staged.placements))
+    assert asked == [len(staged.regions)] and pool.allocations == len(staged.regions)
+
+
+def test_buffers_staged_before_for_a_target_that_places_nothing_are_placed_by_the_layout_later(direct_root):
+    """A tiered save that went to S3 (its buffers are staged, not placed), then one to local disk."""
+    pool = StagingPool()
+    pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False)
+    staged = pool.snapshot(_state(), "t/x.pt", slot_key="x.pt", defer=False, offsets_of=record_offsets)
+    lending = Lending(staged.regions, staged.placements)
+    write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                     lending=lending)
+    assert lending.lent_bytes >= 7 * MiB and lending.copied_bytes == 0
+
+
+def test_a_buffer_allocated_anew_for_a_grown_tensor_is_placed_by_the_layout_and_written_without_a_copy(direct_root):
+    pool, storage, state = StagingPool(), LocalStorage(str(direct_root / "root")), _state()
+    for grown in (False, True):
+        if grown:
+            state["moments"]["exp_avg"] = torch.randn(MiB // 2 + 12345)
+        staged = pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=False, offsets_of=record_offsets)
+        lending = Lending(staged.regions, staged.placements)
+        write_torch_file(storage, "t/x.pt", staged.obj, tag_dir="t", rank=0, lending=lending)
+        assert (direct_root / "root" / "t" / "x.pt").read_bytes() == _torch_save_bytes(state)
+        assert lending.lent_bytes >= 7 * MiB and lending.copied_bytes == 0
+    assert pool.allocations == len(staged.regions) + 1
 
 
 def test_the_layout_reads_no_tensor_bytes_past_each_records_first_page():
@@ -170,7 +202,7 @@ def test_the_layout_reads_no_tensor_bytes_past_each_records_first_page():
         "print(list(record_offsets({'t': tensor, 'step': 3}, [(tensor.data_ptr(), size)]).values()))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert len(eval(result.stdout)) == 1
+    assert len(ast.literal_eval(result.stdout)) == 1
 
 
 def test_placing_buffers_allocates_nothing_new():

@@ -2,9 +2,10 @@
 
 async_ckpt's default files are torch.save's stream output, the bytes DeepSpeed's FastPersist engine
 writes. The 'small' model's optimizer records are megabytes, so they are lent to the O_DIRECT writer
-straight from the staging buffers, placed so that nothing is copied: the first save's by the layout
-torch.save will give the file, the next ones' by where the previous save wrote them. DeepSpeed's own loader and zero_to_fp32 judge the result, for ZeRO-1/2/3, fp32
-and bf16, and the same step saved to S3 (moto) must give the same bytes.
+straight from the staging buffers, placed so that nothing is copied: the first save's by the
+layout torch.save will give the file, the next ones' by where the previous save wrote them.
+DeepSpeed's own loader and zero_to_fp32 judge the result, for ZeRO-1/2/3, fp32 and bf16, and the
+same step saved to S3 (moto) must give the same bytes.
 """
 
 from __future__ import annotations
