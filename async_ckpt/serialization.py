@@ -134,7 +134,7 @@ def record_offsets(obj: Any, regions: Sequence[tuple[int, int]]) -> dict[int, in
     """The file offset at which torch.save writes each lendable buffer of ``obj`` (large, in ``regions``): what
     the writer's :class:`Lending` will note as the buffers' placements, found before the file is written.
 
-    The staging pool places a snapshot's new buffers by it, so that the first save after ``wrap()`` lends
+    The staging pool places a snapshot's unplaced buffers by it, so that the first save after ``wrap()`` lends
     them to ``O_DIRECT`` and writes ahead as later saves do (they are placed by where the previous write put
     them); unplaced, the first save's I/O threads copied every byte into aligned memory. It is torch.save
     itself, with its CRC-32s off, into a stream that keeps nothing: the offsets do not depend on the data,
