@@ -90,8 +90,6 @@ class _Session:
 
     storage: Storage
     files: list[StagedFile] = field(default_factory=list)
-    #: The background copies of the files whose copies are deferred, each started once its file is snapshotted.
-    copies: list[CopyTicket] = field(default_factory=list)
     snapshot_s: float = 0.0
     #: The folder DeepSpeed's file paths are taken relative to, as the storage's paths are to its
     #: root: the shadow folder (``None``) for save_checkpoint, the export's parent for save_16bit_model.
@@ -534,13 +532,11 @@ class AsyncCheckpointer:
                                                   save_latest=False,
                                                   exclude_frozen_parameters=exclude_frozen_parameters)
             files, snapshot_s = self._session.files, self._session.snapshot_s
-        except BaseException:
-            CopyTicket.joined(self._session.copies).wait()  # the next save reuses the buffers they copy into
-            raise
         finally:
-            self._staging = CopyTicket.joined(self._session.copies)
             self._session = None
         deepspeed_s = time.perf_counter() - entered
+        deferred = [pair for f in files for pair in f.deferred]
+        self._staging = self._pool.copy(deferred, background=True, checksum=not self.config.exact_bytes)
         self._pool.trim_reserve()
         return self._submit(self._local if agreed.local else storage, tag, agreed, files, self._staging, started,
                             save_latest=save_latest, extras_dir=self._save_extras(agreed.save_id),
@@ -863,13 +859,9 @@ class AsyncCheckpointer:
         staged = in_place(state_dict, relpath) if write_in_place else None
         # buffers are placed where O_DIRECT can write them from, which torch's own scratch-file save does not
         placed = self._session.storage.aligned_lending and not self.config.exact_bytes
-        staged = staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath, slot_key=name,
-                                               defer=defer, compact=compact,
-                                               offsets_of=record_offsets if placed else None)
-        if staged.deferred:  # started now, the copy overlaps the rest of DeepSpeed's save_checkpoint too
-            self._session.copies.append(self._pool.copy(staged.deferred, background=True,
-                                                        checksum=not self.config.exact_bytes))
-        self._session.files.append(staged)
+        self._session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
+                                                                 slot_key=name, defer=defer, compact=compact,
+                                                                 offsets_of=record_offsets if placed else None))
         self._session.snapshot_s += time.perf_counter() - started
 
     def _before_optimizer_step(self) -> None:

@@ -108,14 +108,6 @@ class CopyTicket:
     def done(self) -> bool:
         return self._done
 
-    @classmethod
-    def joined(cls, tickets: list[CopyTicket]) -> CopyTicket:
-        """One ticket for the copies of several (each file's, started as the file was snapshotted)."""
-        pending = [ticket for ticket in tickets if not ticket.done]
-        return cls([ticket.wait for ticket in pending],
-                   {address: wait for ticket in pending for address, wait in ticket._buffers.items()},
-                   {address: crc for ticket in tickets for address, crc in ticket.crcs.items()})
-
 
 @dataclass
 class StagedFile:

@@ -640,20 +640,6 @@ def test_a_background_copy_gives_the_crc32_of_each_staged_storage(monkeypatch):
     pool.close()
 
 
-def test_a_joined_ticket_waits_for_every_files_copy_and_gives_each_buffers_wait_and_crc32():
-    pool = StagingPool()
-    files = [pool.snapshot(_state(), f"t/{name}", slot_key=name, defer=True) for name in ("a.pt", "b.pt")]
-    ticket = staging.CopyTicket.joined([pool.copy(f.deferred, background=True) for f in files])
-    buffers = {dst.untyped_storage().data_ptr(): (dst, src) for f in files for dst, src in f.deferred}
-    assert set(ticket.crcs) == set(buffers) and len(buffers) == 2 * 5
-    for address, (dst, src) in buffers.items():
-        ticket.wait_for(address)
-        assert torch.equal(dst, src)
-    ticket.wait()
-    assert ticket.done and all(crc() == zlib.crc32(buffers[a][0].numpy().tobytes()) for a, crc in ticket.crcs.items())
-    pool.close()
-
-
 def test_an_elementwise_copy_gives_no_crc32_and_a_byte_copy_does():
     """A compact snapshot's float tensor is copied element by element (torch's copy_), its bytes checksummed by
     the writer; a uint8 one is copied as bytes and checksummed as it is copied."""
