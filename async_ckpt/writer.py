@@ -9,14 +9,12 @@ with the tag, the rank and the cause, and handed to ``on_failure``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import queue
 import shutil
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from async_ckpt import commit
@@ -28,7 +26,6 @@ from async_ckpt.job import SaveJob
 from async_ckpt.layout import MARKER_DIR
 from async_ckpt.manifest import FileEntry
 from async_ckpt.serialization import Lending, write_torch_file
-from async_ckpt.staging import StagedFile
 
 logger = logging.getLogger("async_ckpt")
 
@@ -75,17 +72,6 @@ class _CopyWait:
             self.waited_s += time.perf_counter() - started
 
 
-class _FileWrites:
-    """What one thread wrote of a save's files: their entries, the bytes it lent and copied of them, and
-    the file it is writing (``None`` between files: a failure's ``current`` is the file it cut short)."""
-
-    def __init__(self) -> None:
-        self.written: list[FileEntry] = []
-        self.lent = 0
-        self.copied = 0
-        self.current: str | None = None
-
-
 class BackgroundWriter:
     def __init__(self, rank: int, commit_timeout_s: float,
                  on_failure: Callable[[SaveFailedError], None], *, nice: int = 0, exact_bytes: bool = False,
@@ -102,7 +88,6 @@ class BackgroundWriter:
         self._commit_timeout_s = commit_timeout_s
         self._on_failure = on_failure
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
-        self._ready_files: ThreadPoolExecutor | None = None  # see _ready_apart; ended with the writer thread
         self._thread = threading.Thread(target=self._run, name=f"async_ckpt-writer-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -124,20 +109,16 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         lower_thread_priority(self._nice)
-        try:
-            while (job := self._queue.get()) is not None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._execute(job)
+            except BaseException as exc:  # noqa: BLE001 - a dead writer would leave every later save waiting
+                self._failed_outside_write(job, exc)
+            if self._on_done is not None and job.handle.done():
                 try:
-                    self._execute(job)
-                except BaseException as exc:  # noqa: BLE001 - a dead writer would leave every later save waiting
-                    self._failed_outside_write(job, exc)
-                if self._on_done is not None and job.handle.done():
-                    try:
-                        self._on_done(job.handle)
-                    except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread
-                        logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
-        finally:
-            if self._ready_files is not None:
-                self._ready_files.shutdown(wait=True)
+                    self._on_done(job.handle)
+                except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread
+                    logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
 
     def _failed_outside_write(self, job: SaveJob, exc: BaseException) -> None:
         """What :meth:`_execute` raised past its own handling (the commit's bookkeeping, the hand-over to
@@ -159,89 +140,50 @@ class BackgroundWriter:
             logger.exception("could not record the failure of tag %s", job.tag)
         job.handle._fail(error)
 
-    def _ready_apart(self, job: SaveJob, scratch_dir: str | None) -> tuple[list[StagedFile], list[StagedFile]]:
-        """``(ready, rest)``: the files to write on the ready-files thread, and the rest, for this one.
-
-        A save's files whose staging copies run in the background (the optimizer partitions) are written
-        as the copies go. The files copied within the save (the model states) are ready: where the storage
-        writes files in parallel at no cost (:attr:`~async_ckpt.storage.base.Storage.parallel_files`), they
-        are written meanwhile on a thread of their own, rather than keep the device idle before the large
-        files start (about 30 ms a save on the bench's GPT: the start mark, then a small file's pickling and
-        two fsyncs)."""
-        streamed = job.max_shard_bytes is None and scratch_dir is None
-        if not (streamed and job.storage.parallel_files and any(f.deferred for f in job.files)):
-            return [], list(job.files)
-        return [f for f in job.files if not f.deferred], [f for f in job.files if f.deferred]
-
-    def _ready_thread(self) -> ThreadPoolExecutor:
-        if self._ready_files is None:
-            self._ready_files = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._thread.name}-ready",
-                                                   initializer=functools.partial(lower_thread_priority, self._nice))
-        return self._ready_files
-
-    def _write_files(self, job: SaveJob, files: list[StagedFile], scratch_dir: str | None, copy_wait: _CopyWait,
-                     progress: _FileWrites) -> None:
-        """Write ``files`` in turn, noting each in ``progress`` (the file a failure cut short stays its ``current``)."""
-        streamed = job.max_shard_bytes is None and scratch_dir is None
-        for staged in files:
-            if job.reads_abandoned:  # training went on: stop reading its state, the save fails in _execute
-                break
-            progress.current = staged.relpath
-            if staged.deferred and not streamed:  # copied in the background; no hook inside this write
-                copy_wait.all()
-            if job.max_shard_bytes is None:
-                # a streamed file waits for each storage's own copy just before torch.save reads it
-                await_copy = copy_wait if staged.deferred and streamed else None
-                lending = Lending(staged.regions, staged.placements)
-                progress.written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag,
-                                                         rank=job.rank, scratch_dir=scratch_dir, lending=lending,
-                                                         await_copy=await_copy, copy_crcs=job.ticket.crcs))
-                progress.lent += lending.lent_bytes
-                progress.copied += lending.copied_bytes
-            else:
-                progress.written.extend(write_weights(job.storage, job.tag, staged.obj,
-                                                      max_shard_bytes=job.max_shard_bytes, rank=job.rank))
-        progress.current = None
-
     def _execute(self, job: SaveJob) -> None:
-        own, apart = _FileWrites(), _FileWrites()
-        ready_write: Future[None] | None = None
+        written: list[FileEntry] = []
         metrics = job.handle.metrics
         current = "the staging copies"
         try:
             started = time.perf_counter()
             metrics["queued_s"] = started - job.started - metrics.get("stall_s", 0.0)
+            lent = copied = 0
             copy_wait = _CopyWait(job)
             scratch_dir = self._scratch_dir(job)
             if job.files:  # a rank with nothing to write (of a consolidated save) starts nothing
                 current = "its start mark"
                 commit.mark_started(job.storage, job.tag, job.rank, job.save_id)
-            ready, files = self._ready_apart(job, scratch_dir)
-            if ready:
-                ready_write = self._ready_thread().submit(self._write_files, job, ready, scratch_dir, copy_wait, apart)
-            current = "its files"
-            self._write_files(job, files, scratch_dir, copy_wait, own)
-            if ready_write is not None:
-                ready_write.result()
+            streamed = job.max_shard_bytes is None and scratch_dir is None
+            for staged in job.files:
+                if job.reads_abandoned:  # training went on: stop reading its state, the save fails below
+                    break
+                current = staged.relpath
+                if staged.deferred and not streamed:  # copied in the background; no hook inside this write
+                    copy_wait.all()
+                if job.max_shard_bytes is None:
+                    # a streamed file waits for each storage's own copy just before torch.save reads it
+                    await_copy = copy_wait if staged.deferred and streamed else None
+                    lending = Lending(staged.regions, staged.placements)
+                    written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag,
+                                                    rank=job.rank, scratch_dir=scratch_dir, lending=lending,
+                                                    await_copy=await_copy, copy_crcs=job.ticket.crcs))
+                    lent, copied = lent + lending.lent_bytes, copied + lending.copied_bytes
+                else:
+                    written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,
+                                                 rank=job.rank))
             current = "the staging copies"
             copy_wait.all()
             if not job.release_buffers():
                 current = "its reads of the training state"
                 raise RuntimeError("training stopped waiting for this synchronous save before its files were "
                                    "read from the training state, which it may have changed meanwhile")
-            written = apart.written + own.written
             metrics["copy_wait_s"] = copy_wait.waited_s
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)
-            metrics["zero_copy_bytes"] = own.lent + apart.lent - own.copied - apart.copied
+            metrics["zero_copy_bytes"] = lent - copied
             metrics["upload_buffer_peak_bytes"] = job.storage.upload_buffer_peak_bytes
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
-            if ready_write is not None:  # no file of this rank may still be written while its files are removed
-                with contextlib.suppress(BaseException):
-                    ready_write.result()
-            cut_short = own.current or apart.current
-            if cut_short is not None:  # before release_buffers() empties the files
-                current = cut_short
+            if current in {staged.relpath for staged in job.files}:  # before release_buffers() empties them
                 job.keep_mark = True  # a file's write was cut short
             with contextlib.suppress(BaseException):  # no copy may still fill the buffers the next save reuses
                 job.ticket.wait()
@@ -255,7 +197,7 @@ class BackgroundWriter:
             except Exception as store_exc:  # without a report no rank can commit the tag either
                 logger.debug("could not report the failure of tag %s: %s", job.tag, store_exc)
             self._acknowledge(job)
-            self._fail(job, error, apart.written + own.written, cleanup=True)
+            self._fail(job, error, written, cleanup=True)
             return
         try:
             outcome = commit.commit(job, written, self._commit_timeout_s)

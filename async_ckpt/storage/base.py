@@ -104,11 +104,6 @@ class Storage(abc.ABC):
     #: training waits out is staged. Elsewhere (a memory filesystem, buffered files, object-store parts)
     #: the write copies the bytes from wherever they are.
     aligned_lending: bool = False
-    #: ``True`` where writing two files at once takes no more memory or CPU than writing them in turn
-    #: (a device's own queue does the work): there the writer writes a save's files that are ready while
-    #: the deferred ones wait for their copies. Not where each file's upload holds part buffers of its own
-    #: (object stores) or where a write is a copy by the CPU (a memory filesystem).
-    parallel_files: bool = False
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -351,7 +351,6 @@ class LocalStorage(FsspecStorage):
         self.direct_io = direct_io
         self.memory_filesystem = memory_filesystem(root)
         self.aligned_lending = direct_io and self.memory_filesystem is None
-        self.parallel_files = self.memory_filesystem is None
 
     def local_dir(self) -> str:
         return self.root
