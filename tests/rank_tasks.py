@@ -751,37 +751,67 @@ def _fast_persist_save(engine, root: str, tag: str) -> None:
         engine.checkpoint_engine = stock_engine
 
 
+@contextlib.contextmanager
+def _counting_layouts():
+    """Count the calls of the layout pass (``record_offsets``) made by each save: append a 0 to the list
+    yielded before a save, and its calls are added to it."""
+    from async_ckpt import checkpointer
+
+    counts: list[int] = []
+    real = checkpointer.record_offsets
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return real(*args, **kwargs)
+
+    checkpointer.record_offsets = counted
+    try:
+        yield counts
+    finally:
+        checkpointer.record_offsets = real
+
+
 def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3_url: str | None = None,
                                     s3_options: dict | None = None) -> list[dict]:
     """Per ZeRO stage and dtype, on the 'small' model (optimizer records of megabytes, so they are lent):
     two async_ckpt saves with defaults (the first one's buffers placed by their layout, the second one's by
-    where the first wrote them), FastPersist's save of the same step, optionally the same step to S3,
-    then a fresh engine loads the async save and both engines train one more step."""
+    where the first wrote them), one with ``exact_bytes``, FastPersist's save of the same step, optionally
+    the same step to S3, then a fresh engine loads the async save and both engines train one more step.
+    ``layouts``: the layout passes each of those saves made."""
     out = []
-    for stage, dtype in combos:
-        base = f"{root}/zero{stage}-{dtype}"
-        tokens = _tokens()
-        engine = workload.make_engine(stage, dtype, size="small")
-        workload.train(engine, 1, tokens, _rank())
-        with async_ckpt.wrap(engine, f"{base}/async") as ckpt:
-            first_handle = ckpt.save(tag="first", client_state=dict(CLIENT_STATE))
-            first = first_handle.result(timeout=300)
-            outside_reserve, staged = ckpt.staging_outside_reserve, ckpt.staging_bytes
+    with _counting_layouts() as layouts:
+        for stage, dtype in combos:
+            base = f"{root}/zero{stage}-{dtype}"
+            tokens = _tokens()
+            engine = workload.make_engine(stage, dtype, size="small")
             workload.train(engine, 1, tokens, _rank())
-            handle = ckpt.save(tag="second", client_state=dict(CLIENT_STATE))
-            handle.result(timeout=300)
-        _fast_persist_save(engine, f"{base}/fast", "second")
-        if s3_url is not None:
-            with async_ckpt.wrap(engine, f"{s3_url}/zero{stage}-{dtype}", storage_options=s3_options) as ckpt:
+            layouts.clear()
+            with async_ckpt.wrap(engine, f"{base}/async") as ckpt:
+                layouts.append(0)
+                first_handle = ckpt.save(tag="first", client_state=dict(CLIENT_STATE))
+                first = first_handle.result(timeout=300)
+                outside_reserve, staged = ckpt.staging_outside_reserve, ckpt.staging_bytes
+                workload.train(engine, 1, tokens, _rank())
+                layouts.append(0)
+                handle = ckpt.save(tag="second", client_state=dict(CLIENT_STATE))
+                handle.result(timeout=300)
+            with async_ckpt.wrap(engine, f"{base}/exact", exact_bytes=True) as ckpt:
+                layouts.append(0)
                 ckpt.save(tag="second", client_state=dict(CLIENT_STATE)).result(timeout=300)
-        losses = workload.train(engine, 1, tokens, _rank())
-        fresh = workload.make_engine(stage, dtype, size="small", seed=1234)
-        fresh.load_checkpoint(f"{base}/async", tag="second")
-        out.append({"combo": f"zero{stage}-{dtype}", "first_bytes": first.bytes_written,
-                    "outside_reserve": outside_reserve, "estimated": estimate_snapshot(engine).nbytes,
-                    "staged": staged,
-                    "zero_copy_bytes": [first_handle.metrics["zero_copy_bytes"], handle.metrics["zero_copy_bytes"]],
-                    "losses": losses, "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
+            _fast_persist_save(engine, f"{base}/fast", "second")
+            if s3_url is not None:
+                with async_ckpt.wrap(engine, f"{s3_url}/zero{stage}-{dtype}", storage_options=s3_options) as ckpt:
+                    layouts.append(0)
+                    ckpt.save(tag="second", client_state=dict(CLIENT_STATE)).result(timeout=300)
+            losses = workload.train(engine, 1, tokens, _rank())
+            fresh = workload.make_engine(stage, dtype, size="small", seed=1234)
+            fresh.load_checkpoint(f"{base}/async", tag="second")
+            out.append({"combo": f"zero{stage}-{dtype}", "first_bytes": first.bytes_written,
+                        "outside_reserve": outside_reserve, "estimated": estimate_snapshot(engine).nbytes,
+                        "staged": staged,
+                        "zero_copy_bytes": [first_handle.metrics["zero_copy_bytes"], handle.metrics["zero_copy_bytes"]],
+                        "layouts": dict(zip(["first", "second", "exact_bytes", "s3"], layouts)),
+                        "losses": losses, "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
     return out
 
 

@@ -52,6 +52,17 @@ def test_wrap_estimates_each_ranks_staged_bytes_to_within_one_percent(saved, ind
 
 
 @pytest.mark.parametrize("index", range(len(COMBOS)), ids=IDS)
+def test_only_the_first_local_save_asks_torch_saves_layout(saved, index):
+    """The layout pass places the first save's buffers; the second save's are placed by where the first
+    wrote them. exact_bytes files go through a scratch file, and S3 parts copy whatever they hold: there
+    no buffer needs placing, and no save pays the pass."""
+    for rank in saved["ranks"]:
+        layouts = rank[index]["layouts"]
+        assert layouts["first"] >= 1 and layouts["second"] == 0
+        assert layouts["exact_bytes"] == 0 and layouts["s3"] == 0
+
+
+@pytest.mark.parametrize("index", range(len(COMBOS)), ids=IDS)
 def test_the_first_and_second_saves_write_the_optimizer_records_without_a_copy(saved, index):
     for rank in saved["ranks"]:
         assert [lent >= rank[index]["first_bytes"] // 2 for lent in rank[index]["zero_copy_bytes"]] == [True, True]
