@@ -48,7 +48,7 @@ from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
 from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, holds_chosen_save,
                               log_tier, nodes_from, room_for, undrained)
-from async_ckpt.writer import BackgroundWriter, EarlyWrites, lower_thread_priority
+from async_ckpt.writer import BackgroundWriter, lower_thread_priority
 
 logger = logging.getLogger("async_ckpt")
 
@@ -94,9 +94,6 @@ class _Session:
     #: The folder DeepSpeed's file paths are taken relative to, as the storage's paths are to its
     #: root: the shadow folder (``None``) for save_checkpoint, the export's parent for save_16bit_model.
     base: str | None = None
-    #: Where the files ready at hand-over are written while DeepSpeed's save_checkpoint goes on (``None``:
-    #: every file after it, by the writer thread).
-    early: EarlyWrites | None = None
 
 
 def _remove_folder(path: str, owner_pid: int) -> None:
@@ -527,10 +524,7 @@ class AsyncCheckpointer:
             raise UsageError(f"client_state must be a dict, got {type(client_state).__name__}")
         waited = self._await_buffers()
         agreed = self._agree(storage, tag, tiered=self._local is not None and storage is self.storage)
-        target = self._local if agreed.local else storage
-        # exact_bytes writes each file through a scratch file of torch.save's own: left to the writer thread
-        early = None if self.config.exact_bytes else self._writer.early_writes(target, tag, agreed.save_id)
-        self._session = _Session(target, early=early)
+        self._session = _Session(self._local if agreed.local else storage)
         entered = time.perf_counter()
         try:
             with deferred_clones(), self._model_states_writer(storage, agreed.local):
@@ -538,25 +532,20 @@ class AsyncCheckpointer:
                                                   save_latest=False,
                                                   exclude_frozen_parameters=exclude_frozen_parameters)
             files, snapshot_s = self._session.files, self._session.snapshot_s
-        except BaseException:
-            if early is not None:
-                early.abandon()
-            raise
         finally:
             self._session = None
         deepspeed_s = time.perf_counter() - entered
         deferred = [pair for f in files for pair in f.deferred]
         self._staging = self._pool.copy(deferred, background=True, checksum=not self.config.exact_bytes)
         self._pool.trim_reserve()
-        return self._submit(target, tag, agreed, files, self._staging, started,
+        return self._submit(self._local if agreed.local else storage, tag, agreed, files, self._staging, started,
                             save_latest=save_latest, extras_dir=self._save_extras(agreed.save_id),
                             metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,
-                                     "deepspeed_overhead_s": deepspeed_s - snapshot_s}, early=early)
+                                     "deepspeed_overhead_s": deepspeed_s - snapshot_s})
 
     def _submit(self, storage: Storage, tag: str, agreed: _Agreement, files: list[StagedFile], ticket: CopyTicket,
                 started: float, *, save_latest: bool, extras_dir: str | None, metrics: dict[str, float],
-                consolidated: bool = False, max_shard_bytes: int | None = None,
-                early: EarlyWrites | None = None) -> SaveHandle:
+                consolidated: bool = False, max_shard_bytes: int | None = None) -> SaveHandle:
         """Hand a snapshotted save to the background writer; its handle's ``stall_s`` ends here. A save
         to the local tier (``agreed.local``) is committed in ``storage`` (that tier), then drained to the URL.
         With ``synchronous``, wait for the commit before returning."""
@@ -568,8 +557,7 @@ class AsyncCheckpointer:
                       keep_last=None if consolidated or tiered else self.config.keep_last,
                       keep_every=self.config.keep_every, metadata=self._metadata(), extras_dir=extras_dir,
                       consolidated=consolidated, max_shard_bytes=max_shard_bytes, tiered=tiered,
-                      node_ranks=self._node_ranks if tiered else (), overwrites=agreed.overwrites, started=started,
-                      early=early)
+                      node_ranks=self._node_ranks if tiered else (), overwrites=agreed.overwrites, started=started)
         if self._local is not None:
             metrics = {**metrics, "tier": "local" if tiered else "durable"}
         handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes,
@@ -871,13 +859,10 @@ class AsyncCheckpointer:
         staged = in_place(state_dict, relpath) if write_in_place else None
         # buffers are placed where O_DIRECT can write them from, which torch's own scratch-file save does not
         placed = self._session.storage.aligned_lending and not self.config.exact_bytes
-        staged = staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath, slot_key=name,
-                                               defer=defer, compact=compact,
-                                               offsets_of=record_offsets if placed else None)
-        self._session.files.append(staged)
+        self._session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
+                                                                 slot_key=name, defer=defer, compact=compact,
+                                                                 offsets_of=record_offsets if placed else None))
         self._session.snapshot_s += time.perf_counter() - started
-        if self._session.early is not None and not staged.deferred and not staged.in_place:
-            self._session.early.add(staged)
 
     def _before_optimizer_step(self) -> None:
         if self._staging is not None and not self._staging.done:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 from async_ckpt.handle import SaveHandle
 from async_ckpt.handshake import Handshake
 from async_ckpt.staging import CopyTicket, StagedFile
 from async_ckpt.storage.base import Storage
-
-if TYPE_CHECKING:
-    from async_ckpt.writer import EarlyWrites
 
 
 @dataclass
@@ -54,9 +51,6 @@ class SaveJob:
     #: ``keep_last`` retention runs each deletion inside ``retention_allowed()``, and only where it yields
     #: true (a drain's commit while a tiered load reads: :meth:`~async_ckpt.drain.Drainer.pause_retention`).
     retention_allowed: Callable[[], ContextManager[bool]] | None = None
-    #: The files of ``files`` written while DeepSpeed's save_checkpoint ran (and the start mark with the
-    #: first of them): the writer waits for them, then writes the rest.
-    early: EarlyWrites | None = None
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
     _reads: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -9,14 +9,12 @@ with the tag, the rank and the cause, and handed to ``on_failure``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import queue
 import shutil
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from async_ckpt import commit
@@ -27,9 +25,7 @@ from async_ckpt.handshake import Outcome, brief
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import MARKER_DIR
 from async_ckpt.manifest import FileEntry
-from async_ckpt.serialization import AwaitCopy, Lending, write_torch_file
-from async_ckpt.staging import StagedFile
-from async_ckpt.storage.base import Storage
+from async_ckpt.serialization import Lending, write_torch_file
 
 logger = logging.getLogger("async_ckpt")
 
@@ -76,93 +72,6 @@ class _CopyWait:
             self.waited_s += time.perf_counter() - started
 
 
-class _FileWrites:
-    """What one thread wrote of a save's files: their entries, the bytes it lent and copied of them, and
-    the file it is writing (``None`` between files: a failure's ``current`` is the file it cut short)."""
-
-    def __init__(self) -> None:
-        self.written: list[FileEntry] = []
-        self.lent = 0
-        self.copied = 0
-        self.current: str | None = None
-
-    def write(self, storage: Storage, tag: str, rank: int, staged: StagedFile, *, scratch_dir: str | None = None,
-              await_copy: AwaitCopy | None = None, copy_crcs: dict | None = None,
-              max_shard_bytes: int | None = None) -> None:
-        """Write one staged file (torch.save, or with ``max_shard_bytes`` safetensors shards) and note it."""
-        self.current = staged.relpath
-        if max_shard_bytes is None:
-            lending = Lending(staged.regions, staged.placements)
-            self.written.append(write_torch_file(storage, staged.relpath, staged.obj, tag_dir=tag, rank=rank,
-                                                 scratch_dir=scratch_dir, lending=lending, await_copy=await_copy,
-                                                 copy_crcs=copy_crcs))
-            self.lent += lending.lent_bytes
-            self.copied += lending.copied_bytes
-        else:
-            self.written.extend(write_weights(storage, tag, staged.obj, max_shard_bytes=max_shard_bytes, rank=rank))
-        self.current = None
-
-
-class EarlyWrites:
-    """A save's ready files, written while DeepSpeed's ``save_checkpoint`` still runs.
-
-    Why: the files copied within the save (the model states; every file with ``overlap_copy`` off) are
-    ready as soon as DeepSpeed hands them over, and the rest of its ``save_checkpoint`` (the optimizer's
-    state dict, ZeRO-3's gather of its persistent parameters, barriers) leaves the disk idle. Written then,
-    on the writer's early-files thread, with the start mark before the first, they are off the time to
-    durable: the writer thread goes straight to the files whose copies run in the background. Their
-    fsyncs also find the disk idle, where behind another rank's large write each waits for it. The
-    writer thread waits for them before its own files (one file in flight per rank, as before).
-    """
-
-    def __init__(self, executor: ThreadPoolExecutor, storage: Storage, tag: str, rank: int, save_id: str) -> None:
-        self._executor = executor
-        self.storage, self.tag, self.rank, self.save_id = storage, tag, rank, save_id
-        self.files = _FileWrites()
-        self.relpaths: set[str] = set()
-        self.marked = False
-        self.failed_during: str | None = None  # what the first failure cut short; later files are not written
-        self.seconds = 0.0
-        self._futures: list[Future[None]] = []
-
-    def add(self, staged: StagedFile) -> None:
-        """Write ``staged`` after the files added before it."""
-        self.relpaths.add(staged.relpath)
-        self._futures.append(self._executor.submit(self._write, staged))
-
-    def _write(self, staged: StagedFile) -> None:
-        if self.failed_during is not None:
-            return
-        started = time.perf_counter()
-        try:
-            if not self.marked:
-                self.failed_during = "its start mark"
-                commit.mark_started(self.storage, self.tag, self.rank, self.save_id)
-                self.marked = True
-            self.failed_during = staged.relpath
-            self.files.write(self.storage, self.tag, self.rank, staged)
-            self.failed_during = None
-        finally:
-            self.seconds += time.perf_counter() - started
-
-    def wait(self) -> None:
-        """Wait for every file added; raise the first failure."""
-        for future in self._futures:
-            future.result()
-
-    def abandon(self) -> None:
-        """DeepSpeed's ``save_checkpoint`` failed after these writes began: wait for them, then remove
-        what they wrote and the start mark (kept for gc where a write was cut short)."""
-        with contextlib.suppress(BaseException):
-            self.wait()
-        if commit.remove_files(self.storage, self.tag, self.files.written) and self.marked \
-                and self.files.current is None:
-            try:
-                commit.unmark(self.storage, self.tag, self.rank)
-            except Exception as exc:
-                logger.debug("could not remove the start mark of %s: %s", self.tag, exc)
-
-
 class BackgroundWriter:
     def __init__(self, rank: int, commit_timeout_s: float,
                  on_failure: Callable[[SaveFailedError], None], *, nice: int = 0, exact_bytes: bool = False,
@@ -179,7 +88,6 @@ class BackgroundWriter:
         self._commit_timeout_s = commit_timeout_s
         self._on_failure = on_failure
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
-        self._early_files: ThreadPoolExecutor | None = None  # see EarlyWrites; ended with the writer thread
         self._thread = threading.Thread(target=self._run, name=f"async_ckpt-writer-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -199,29 +107,18 @@ class BackgroundWriter:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def early_writes(self, storage: Storage, tag: str, save_id: str) -> EarlyWrites:
-        """Where the ready files of a save being snapshotted are written meanwhile (see :class:`EarlyWrites`)."""
-        if self._early_files is None:
-            self._early_files = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._thread.name}-early",
-                                                   initializer=functools.partial(lower_thread_priority, self._nice))
-        return EarlyWrites(self._early_files, storage, tag, self._rank, save_id)
-
     def _run(self) -> None:
         lower_thread_priority(self._nice)
-        try:
-            while (job := self._queue.get()) is not None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._execute(job)
+            except BaseException as exc:  # noqa: BLE001 - a dead writer would leave every later save waiting
+                self._failed_outside_write(job, exc)
+            if self._on_done is not None and job.handle.done():
                 try:
-                    self._execute(job)
-                except BaseException as exc:  # noqa: BLE001 - a dead writer would leave every later save waiting
-                    self._failed_outside_write(job, exc)
-                if self._on_done is not None and job.handle.done():
-                    try:
-                        self._on_done(job.handle)
-                    except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread
-                        logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
-        finally:
-            if self._early_files is not None:
-                self._early_files.shutdown(wait=True)
+                    self._on_done(job.handle)
+                except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread
+                    logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
 
     def _failed_outside_write(self, job: SaveJob, exc: BaseException) -> None:
         """What :meth:`_execute` raised past its own handling (the commit's bookkeeping, the hand-over to
@@ -244,54 +141,49 @@ class BackgroundWriter:
         job.handle._fail(error)
 
     def _execute(self, job: SaveJob) -> None:
-        own, early = _FileWrites(), job.early
+        written: list[FileEntry] = []
         metrics = job.handle.metrics
         current = "the staging copies"
         try:
             started = time.perf_counter()
             metrics["queued_s"] = started - job.started - metrics.get("stall_s", 0.0)
+            lent = copied = 0
             copy_wait = _CopyWait(job)
             scratch_dir = self._scratch_dir(job)
-            streamed = job.max_shard_bytes is None and scratch_dir is None
-            files = job.files
-            if early is not None:
-                current = "the files written while DeepSpeed saved"
-                early.wait()
-                metrics["early_write_s"] = early.seconds
-                files = [f for f in files if f.relpath not in early.relpaths]
-            if files and not (early is not None and early.marked):  # a rank with nothing to write starts nothing
+            if job.files:  # a rank with nothing to write (of a consolidated save) starts nothing
                 current = "its start mark"
                 commit.mark_started(job.storage, job.tag, job.rank, job.save_id)
-            for staged in files:
+            streamed = job.max_shard_bytes is None and scratch_dir is None
+            for staged in job.files:
                 if job.reads_abandoned:  # training went on: stop reading its state, the save fails below
                     break
                 current = staged.relpath
                 if staged.deferred and not streamed:  # copied in the background; no hook inside this write
                     copy_wait.all()
-                # a streamed file waits for each storage's own copy just before torch.save reads it
-                own.write(job.storage, job.tag, job.rank, staged, scratch_dir=scratch_dir,
-                          await_copy=copy_wait if staged.deferred and streamed else None,
-                          copy_crcs=job.ticket.crcs, max_shard_bytes=job.max_shard_bytes)
+                if job.max_shard_bytes is None:
+                    # a streamed file waits for each storage's own copy just before torch.save reads it
+                    await_copy = copy_wait if staged.deferred and streamed else None
+                    lending = Lending(staged.regions, staged.placements)
+                    written.append(write_torch_file(job.storage, staged.relpath, staged.obj, tag_dir=job.tag,
+                                                    rank=job.rank, scratch_dir=scratch_dir, lending=lending,
+                                                    await_copy=await_copy, copy_crcs=job.ticket.crcs))
+                    lent, copied = lent + lending.lent_bytes, copied + lending.copied_bytes
+                else:
+                    written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,
+                                                 rank=job.rank))
             current = "the staging copies"
             copy_wait.all()
             if not job.release_buffers():
                 current = "its reads of the training state"
                 raise RuntimeError("training stopped waiting for this synchronous save before its files were "
                                    "read from the training state, which it may have changed meanwhile")
-            written = (early.files.written if early is not None else []) + own.written
-            lent = own.lent - own.copied + (early.files.lent - early.files.copied if early is not None else 0)
             metrics["copy_wait_s"] = copy_wait.waited_s
             metrics["persist_s"] = time.perf_counter() - started
             metrics["bytes_written"] = sum(e.size for e in written)
-            metrics["zero_copy_bytes"] = lent
+            metrics["zero_copy_bytes"] = lent - copied
             metrics["upload_buffer_peak_bytes"] = job.storage.upload_buffer_peak_bytes
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
-            if early is not None:  # none of this rank's files may still be written while they are removed
-                with contextlib.suppress(BaseException):
-                    early.wait()
-                if early.failed_during is not None:
-                    current = early.failed_during
-            if own.current is not None or (early is not None and early.files.current is not None):
+            if current in {staged.relpath for staged in job.files}:  # before release_buffers() empties them
                 job.keep_mark = True  # a file's write was cut short
             with contextlib.suppress(BaseException):  # no copy may still fill the buffers the next save reuses
                 job.ticket.wait()
@@ -305,7 +197,7 @@ class BackgroundWriter:
             except Exception as store_exc:  # without a report no rank can commit the tag either
                 logger.debug("could not report the failure of tag %s: %s", job.tag, store_exc)
             self._acknowledge(job)
-            self._fail(job, error, (early.files.written if early is not None else []) + own.written, cleanup=True)
+            self._fail(job, error, written, cleanup=True)
             return
         try:
             outcome = commit.commit(job, written, self._commit_timeout_s)
