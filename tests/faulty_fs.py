@@ -3,8 +3,9 @@
 Registered as ``faulty://`` inside the rank processes. ``storage_options``:
 ``gate`` (a path: writes of ``*.pt`` files block until it exists), ``gate_ranks`` (ranks the gate applies to,
 default all), ``gate_match`` (gate only paths containing this, default ``.pt.``), ``fail_ranks`` (ranks whose
-writes of ``*.pt`` files fail), ``fail_errno`` (the error they get: ``ENOSPC`` by default, ``EIO``, ``EACCES``...),
-``fail_after_bytes`` (bytes of each such file written before the failure, default 0), ``latency_s`` (sleep
+writes of ``*.pt`` files fail), ``fail_match`` (only those whose path contains this, default every one),
+``fail_errno`` (the error they get: ``ENOSPC`` by default, ``EIO``, ``EACCES``...), ``fail_after_bytes``
+(bytes of each such file written before the failure, default 0), ``latency_s`` (sleep
 before every write of a ``*.pt`` file, on every rank), ``fail_rm`` (deletions of paths containing this fail: permission denied),
 ``fail_ls_ranks`` (ranks whose folder listings fail: an I/O error), ``stale_ranks``, ``stale_latest`` and
 ``stale_hidden`` (those ranks read ``stale_latest`` from every ``latest`` file and do not see ``stale_hidden`` in
@@ -41,7 +42,7 @@ class _FaultyWriter:
                 time.sleep(0.01)
         if data_file and self._fs.latency_s:
             time.sleep(self._fs.latency_s)
-        if rank in self._fs.fail_ranks and data_file:
+        if rank in self._fs.fail_ranks and data_file and self._fs.fail_match in self._path:
             room = self._fs.fail_after_bytes - self._written
             if len(data) > room:
                 if room > 0:
@@ -63,7 +64,7 @@ class FaultyFileSystem(LocalFileSystem):
     protocol = ("faulty",)
 
     def __init__(self, gate: str | None = None, gate_ranks=None, gate_match: str = ".pt.", fail_ranks=(),
-                 fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, fail_rm: str | None = None,
+                 fail_match: str = "", fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, fail_rm: str | None = None,
                  fail_ls_ranks=(), stale_ranks=(), stale_latest: str | None = None, stale_hidden: str | None = None,
                  **kwargs) -> None:
         super().__init__(**kwargs)
@@ -79,6 +80,7 @@ class FaultyFileSystem(LocalFileSystem):
         self.gate_match = gate_match
         self.gate_ranks = set(gate_ranks) if gate_ranks is not None else set(range(64))
         self.fail_ranks = set(fail_ranks)
+        self.fail_match = fail_match
 
     @classmethod
     def _strip_protocol(cls, path):

@@ -311,6 +311,45 @@ def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "EN
     return seen
 
 
+def deepspeed_failing_after_the_model_states(root: str, fail_model_states: bool = False) -> dict:
+    """ZeRO-3 (every rank writes a model-states file): the optimizer's state_dict raises after DeepSpeed
+    handed over the model states, so save() raises; then the next save. With ``fail_model_states``, rank
+    1's write of its model-states file fails instead (on the ``faulty://`` filesystem): the save itself
+    returns and its handle fails."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(3, "fp32", size="small")
+    tokens = _tokens()
+    workload.train(engine, 1, tokens, _rank())
+    with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
+        ckpt.save(tag="good").result(timeout=120)
+    seen: dict = {}
+    if fail_model_states:
+        with async_ckpt.wrap(engine, f"faulty://{root}",
+                             storage_options={"fail_ranks": [1], "fail_match": "model_states"}) as ckpt:
+            error = ckpt.save(tag="bad").exception(timeout=120)
+            seen["raised"] = (type(error).__name__, str(error)) if error else None
+    else:
+        def broken_state_dict():
+            raise RuntimeError("optimizer state_dict failed (injected)")
+
+        with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
+            engine.optimizer.state_dict = broken_state_dict
+            try:
+                seen["raised"] = _outcome(lambda: ckpt.save(tag="bad"))
+            finally:
+                del engine.optimizer.state_dict
+    dist.barrier()
+    seen["bad_files"] = sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(f"{root}/bad")
+                               for n in names)
+    seen["latest"] = open(f"{root}/latest").read()
+    workload.train(engine, 1, tokens, _rank())
+    with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
+        seen["next_save"] = _outcome(lambda: ckpt.save(tag="after").result(timeout=120))
+    return seen
+
+
 def failing_overwrite_of_a_committed_tag(root: str) -> dict:
     """With overwrite_tags, rank 1's write of a second save of the committed tag 't' fails."""
     from faulty_fs import register
@@ -751,24 +790,36 @@ def _fast_persist_save(engine, root: str, tag: str) -> None:
         engine.checkpoint_engine = stock_engine
 
 
-@contextlib.contextmanager
-def _counting_layouts():
-    """Count the calls of the layout pass (``record_offsets``) made by each save: append a 0 to the list
-    yielded before a save, and its calls are added to it."""
-    from async_ckpt import checkpointer
+class _LayoutPasses:
+    """The layout passes (``record_offsets``) each save makes, by the name given to the save under way:
+    counted by a wrapper patched into the checkpointer module, since the pass runs inside ``save()`` and
+    no metric reports it. Passes outside a named save count under ``"outside a save"``."""
 
-    counts: list[int] = []
-    real = checkpointer.record_offsets
+    def __init__(self) -> None:
+        self.by_save: dict[str, int] = {}
+        self._under_way = "outside a save"
 
-    def counted(*args, **kwargs):
-        counts[-1] += 1
-        return real(*args, **kwargs)
+    def save(self, ckpt, name: str, tag: str):
+        """``ckpt.save(tag)``, its layout passes counted under ``name``."""
+        self._under_way = name
+        self.by_save[name] = 0
+        return ckpt.save(tag=tag, client_state=dict(CLIENT_STATE))
 
-    checkpointer.record_offsets = counted
-    try:
-        yield counts
-    finally:
-        checkpointer.record_offsets = real
+    @contextlib.contextmanager
+    def patched(self):
+        from async_ckpt import checkpointer
+
+        real = checkpointer.record_offsets
+
+        def counted(*args, **kwargs):
+            self.by_save[self._under_way] = self.by_save.get(self._under_way, 0) + 1
+            return real(*args, **kwargs)
+
+        checkpointer.record_offsets = counted
+        try:
+            yield self
+        finally:
+            checkpointer.record_offsets = real
 
 
 def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3_url: str | None = None,
@@ -777,41 +828,36 @@ def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3
     two async_ckpt saves with defaults (the first one's buffers placed by their layout, the second one's by
     where the first wrote them), one with ``exact_bytes``, FastPersist's save of the same step, optionally
     the same step to S3, then a fresh engine loads the async save and both engines train one more step.
-    ``layouts``: the layout passes each of those saves made."""
+    ``layouts``: the layout passes each of those saves made, by name."""
     out = []
-    with _counting_layouts() as layouts:
-        for stage, dtype in combos:
-            base = f"{root}/zero{stage}-{dtype}"
-            tokens = _tokens()
-            engine = workload.make_engine(stage, dtype, size="small")
-            workload.train(engine, 1, tokens, _rank())
-            layouts.clear()
+    for stage, dtype in combos:
+        base = f"{root}/zero{stage}-{dtype}"
+        tokens = _tokens()
+        engine = workload.make_engine(stage, dtype, size="small")
+        workload.train(engine, 1, tokens, _rank())
+        with _LayoutPasses().patched() as layouts:
             with async_ckpt.wrap(engine, f"{base}/async") as ckpt:
-                layouts.append(0)
-                first_handle = ckpt.save(tag="first", client_state=dict(CLIENT_STATE))
+                first_handle = layouts.save(ckpt, "first", "first")
                 first = first_handle.result(timeout=300)
                 outside_reserve, staged = ckpt.staging_outside_reserve, ckpt.staging_bytes
                 workload.train(engine, 1, tokens, _rank())
-                layouts.append(0)
-                handle = ckpt.save(tag="second", client_state=dict(CLIENT_STATE))
+                handle = layouts.save(ckpt, "second", "second")
                 handle.result(timeout=300)
             with async_ckpt.wrap(engine, f"{base}/exact", exact_bytes=True) as ckpt:
-                layouts.append(0)
-                ckpt.save(tag="second", client_state=dict(CLIENT_STATE)).result(timeout=300)
-            _fast_persist_save(engine, f"{base}/fast", "second")
+                layouts.save(ckpt, "exact_bytes", "second").result(timeout=300)
             if s3_url is not None:
                 with async_ckpt.wrap(engine, f"{s3_url}/zero{stage}-{dtype}", storage_options=s3_options) as ckpt:
-                    layouts.append(0)
-                    ckpt.save(tag="second", client_state=dict(CLIENT_STATE)).result(timeout=300)
-            losses = workload.train(engine, 1, tokens, _rank())
-            fresh = workload.make_engine(stage, dtype, size="small", seed=1234)
-            fresh.load_checkpoint(f"{base}/async", tag="second")
-            out.append({"combo": f"zero{stage}-{dtype}", "first_bytes": first.bytes_written,
-                        "outside_reserve": outside_reserve, "estimated": estimate_snapshot(engine).nbytes,
-                        "staged": staged,
-                        "zero_copy_bytes": [first_handle.metrics["zero_copy_bytes"], handle.metrics["zero_copy_bytes"]],
-                        "layouts": dict(zip(["first", "second", "exact_bytes", "s3"], layouts)),
-                        "losses": losses, "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
+                    layouts.save(ckpt, "s3", "second").result(timeout=300)
+        _fast_persist_save(engine, f"{base}/fast", "second")
+        losses = workload.train(engine, 1, tokens, _rank())
+        fresh = workload.make_engine(stage, dtype, size="small", seed=1234)
+        fresh.load_checkpoint(f"{base}/async", tag="second")
+        out.append({"combo": f"zero{stage}-{dtype}", "first_bytes": first.bytes_written,
+                    "outside_reserve": outside_reserve, "estimated": estimate_snapshot(engine).nbytes,
+                    "staged": staged,
+                    "zero_copy_bytes": [first_handle.metrics["zero_copy_bytes"], handle.metrics["zero_copy_bytes"]],
+                    "layouts": layouts.by_save, "losses": losses,
+                    "loaded_losses": workload.train(fresh, 1, tokens, _rank())})
     return out
 
 

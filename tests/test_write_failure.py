@@ -110,3 +110,49 @@ def test_a_failed_overwrite_keeps_every_ranks_start_mark_for_gc(ranks, tmp_path)
     """Rank 0's write did not fail, yet files of the old tag that this save did not rewrite may stay."""
     for rank in ranks.run(rank_tasks.failing_overwrite_of_a_committed_tag, str(tmp_path / "ckpt")):
         assert rank["t_marks"] == ["started-rank0", "started-rank1"]
+
+
+# ---------------------------------------------------------------- a save DeepSpeed fails; a failing model-states file
+
+
+@pytest.fixture(scope="module")
+def deepspeed_failed(ranks, tmp_path_factory):
+    """DeepSpeed's save_checkpoint raises after it handed over the model states."""
+    return ranks.run(rank_tasks.deepspeed_failing_after_the_model_states, str(tmp_path_factory.mktemp("ds-fails")))
+
+
+@pytest.fixture(scope="module")
+def model_states_failed(ranks, tmp_path_factory):
+    """Rank 1's write of its model-states file fails (disk full); the optimizer files' writes do not."""
+    return ranks.run(rank_tasks.deepspeed_failing_after_the_model_states,
+                     str(tmp_path_factory.mktemp("early-fails")), True)
+
+
+def test_a_save_deepspeed_fails_raises_deepspeeds_error_from_save(deepspeed_failed):
+    assert [rank["raised"] for rank in deepspeed_failed] == [("RuntimeError", "optimizer state_dict failed (injected)")] * 2
+
+
+def test_a_save_deepspeed_fails_leaves_no_file_of_its_tag_and_latest_as_it_was(deepspeed_failed):
+    """Nothing of a save is written before DeepSpeed's save_checkpoint returned: not even a start mark."""
+    assert [(rank["bad_files"], rank["latest"]) for rank in deepspeed_failed] == [([], "good")] * 2
+
+
+def test_the_save_after_one_deepspeed_failed_commits(deepspeed_failed):
+    assert [rank["next_save"] for rank in deepspeed_failed] == [None, None]
+
+
+def test_a_model_states_file_that_fails_fails_the_tag_naming_it(model_states_failed):
+    kind, message = model_states_failed[1]["raised"]
+    assert kind == "SaveFailedError" and "rank 1" in message
+    assert "zero_pp_rank_1_mp_rank_00_model_states.pt" in message and os.strerror(errno.ENOSPC) in message
+    assert model_states_failed[0]["raised"][0] == "SaveFailedError"
+
+
+def test_a_model_states_file_that_fails_leaves_only_the_failing_ranks_start_mark_and_latest_as_it_was(
+        model_states_failed):
+    assert [(rank["bad_files"], rank["latest"]) for rank in model_states_failed] == \
+        [(["bad/.async_ckpt/started-rank1"], "good")] * 2
+
+
+def test_the_save_after_a_failed_model_states_file_commits(model_states_failed):
+    assert [rank["next_save"] for rank in model_states_failed] == [None, None]

@@ -60,6 +60,7 @@ def test_only_the_first_local_save_asks_torch_saves_layout(saved, index):
         layouts = rank[index]["layouts"]
         assert layouts["first"] >= 1 and layouts["second"] == 0
         assert layouts["exact_bytes"] == 0 and layouts["s3"] == 0
+        assert "outside a save" not in layouts
 
 
 @pytest.mark.parametrize("index", range(len(COMBOS)), ids=IDS)
@@ -99,3 +100,4 @@ def test_deepspeed_consolidates_lent_files_like_fast_persists(saved, index):
 def test_deepspeed_loads_lent_files_and_trains_on_bitwise(saved, index):
     for rank in saved["ranks"]:
         assert rank[index]["loaded_losses"] == rank[index]["losses"]
+
