@@ -313,9 +313,10 @@ def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "EN
 
 def deepspeed_failing_after_the_model_states(root: str, fail_model_states: bool = False) -> dict:
     """ZeRO-3 (every rank writes a model-states file): the optimizer's state_dict raises after DeepSpeed
-    handed over the model states, so save() raises; then the next save. With ``fail_model_states``, rank
-    1's write of its model-states file fails instead (on the ``faulty://`` filesystem): the save itself
-    returns and its handle fails."""
+    handed over the model states (``handed_over``: the files the save had then), so save() raises; then
+    the same checkpointer saves again. With ``fail_model_states``, rank 1's write of its model-states file
+    fails instead (on the ``faulty://`` filesystem): save() returns and its handle fails; the next save
+    is made with a checkpointer whose storage does not fail."""
     from faulty_fs import register
 
     register()
@@ -325,28 +326,35 @@ def deepspeed_failing_after_the_model_states(root: str, fail_model_states: bool 
     with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
         ckpt.save(tag="good").result(timeout=120)
     seen: dict = {}
+
+    def files_after_a_failed_save(ckpt) -> None:
+        dist.barrier()
+        seen["bad_files"] = sorted(os.path.relpath(os.path.join(d, n), root)
+                                   for d, _, names in os.walk(f"{root}/bad") for n in names)
+        seen["latest_after_bad"] = open(f"{root}/latest").read()
+        workload.train(engine, 1, tokens, _rank())
+        seen["next_save"] = _outcome(lambda: ckpt.save(tag="after").result(timeout=120))
+        seen["latest"] = open(f"{root}/latest").read()
+
     if fail_model_states:
         with async_ckpt.wrap(engine, f"faulty://{root}",
                              storage_options={"fail_ranks": [1], "fail_match": "model_states"}) as ckpt:
             error = ckpt.save(tag="bad").exception(timeout=120)
             seen["raised"] = (type(error).__name__, str(error)) if error else None
-    else:
-        def broken_state_dict():
-            raise RuntimeError("optimizer state_dict failed (injected)")
-
         with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
+            files_after_a_failed_save(ckpt)
+    else:
+        with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
+            def broken_state_dict():
+                seen["handed_over"] = [os.path.basename(f.relpath) for f in ckpt._session.files]
+                raise RuntimeError("optimizer state_dict failed (injected)")
+
             engine.optimizer.state_dict = broken_state_dict
             try:
                 seen["raised"] = _outcome(lambda: ckpt.save(tag="bad"))
             finally:
                 del engine.optimizer.state_dict
-    dist.barrier()
-    seen["bad_files"] = sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(f"{root}/bad")
-                               for n in names)
-    seen["latest"] = open(f"{root}/latest").read()
-    workload.train(engine, 1, tokens, _rank())
-    with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
-        seen["next_save"] = _outcome(lambda: ckpt.save(tag="after").result(timeout=120))
+            files_after_a_failed_save(ckpt)
     return seen
 
 
@@ -800,10 +808,13 @@ class _LayoutPasses:
         self._under_way = "outside a save"
 
     def save(self, ckpt, name: str, tag: str):
-        """``ckpt.save(tag)``, its layout passes counted under ``name``."""
+        """``ckpt.save(tag)``, its layout passes counted under ``name`` (the pass runs inside the call)."""
         self._under_way = name
         self.by_save[name] = 0
-        return ckpt.save(tag=tag, client_state=dict(CLIENT_STATE))
+        try:
+            return ckpt.save(tag=tag, client_state=dict(CLIENT_STATE))
+        finally:
+            self._under_way = "outside a save"
 
     @contextlib.contextmanager
     def patched(self):
@@ -826,8 +837,8 @@ def lent_saves_against_fast_persist(combos: list[tuple[int, str]], root: str, s3
                                     s3_options: dict | None = None) -> list[dict]:
     """Per ZeRO stage and dtype, on the 'small' model (optimizer records of megabytes, so they are lent):
     two async_ckpt saves with defaults (the first one's buffers placed by their layout, the second one's by
-    where the first wrote them), one with ``exact_bytes``, FastPersist's save of the same step, optionally
-    the same step to S3, then a fresh engine loads the async save and both engines train one more step.
+    where the first wrote them), one with ``exact_bytes``, optionally the same step to S3, FastPersist's
+    save of the same step, then a fresh engine loads the async save and both engines train one more step.
     ``layouts``: the layout passes each of those saves made, by name."""
     out = []
     for stage, dtype in combos:

@@ -123,22 +123,23 @@ def deepspeed_failed(ranks, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_states_failed(ranks, tmp_path_factory):
-    """Rank 1's write of its model-states file fails (disk full); the optimizer files' writes do not."""
+    """Rank 1's write of its model-states file fails (disk full)."""
     return ranks.run(rank_tasks.deepspeed_failing_after_the_model_states,
-                     str(tmp_path_factory.mktemp("early-fails")), True)
+                     str(tmp_path_factory.mktemp("model-states-fails")), True)
 
 
 def test_a_save_deepspeed_fails_raises_deepspeeds_error_from_save(deepspeed_failed):
+    for rank in deepspeed_failed:  # the premise: it fails once the model states were handed over
+        assert [name for name in rank["handed_over"] if name.endswith("_model_states.pt")] != []
     assert [rank["raised"] for rank in deepspeed_failed] == [("RuntimeError", "optimizer state_dict failed (injected)")] * 2
 
 
-def test_a_save_deepspeed_fails_leaves_no_file_of_its_tag_and_latest_as_it_was(deepspeed_failed):
-    """Nothing of a save is written before DeepSpeed's save_checkpoint returned: not even a start mark."""
-    assert [(rank["bad_files"], rank["latest"]) for rank in deepspeed_failed] == [([], "good")] * 2
+def test_a_save_deepspeed_fails_leaves_nothing_of_its_tag_and_latest_as_it_was(deepspeed_failed):
+    assert [(rank["bad_files"], rank["latest_after_bad"]) for rank in deepspeed_failed] == [([], "good")] * 2
 
 
-def test_the_save_after_one_deepspeed_failed_commits(deepspeed_failed):
-    assert [rank["next_save"] for rank in deepspeed_failed] == [None, None]
+def test_the_same_checkpointer_saves_and_commits_after_deepspeed_failed_a_save(deepspeed_failed):
+    assert [(rank["next_save"], rank["latest"]) for rank in deepspeed_failed] == [(None, "after")] * 2
 
 
 def test_a_model_states_file_that_fails_fails_the_tag_naming_it(model_states_failed):
@@ -150,9 +151,9 @@ def test_a_model_states_file_that_fails_fails_the_tag_naming_it(model_states_fai
 
 def test_a_model_states_file_that_fails_leaves_only_the_failing_ranks_start_mark_and_latest_as_it_was(
         model_states_failed):
-    assert [(rank["bad_files"], rank["latest"]) for rank in model_states_failed] == \
+    assert [(rank["bad_files"], rank["latest_after_bad"]) for rank in model_states_failed] == \
         [(["bad/.async_ckpt/started-rank1"], "good")] * 2
 
 
 def test_the_save_after_a_failed_model_states_file_commits(model_states_failed):
-    assert [rank["next_save"] for rank in model_states_failed] == [None, None]
+    assert [(rank["next_save"], rank["latest"]) for rank in model_states_failed] == [(None, "after")] * 2

@@ -100,4 +100,3 @@ def test_deepspeed_consolidates_lent_files_like_fast_persists(saved, index):
 def test_deepspeed_loads_lent_files_and_trains_on_bitwise(saved, index):
     for rank in saved["ranks"]:
         assert rank[index]["loaded_losses"] == rank[index]["losses"]
-
