@@ -281,6 +281,12 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
     return out
 
 
+def _files_under(root: str, folder: str) -> list[str]:
+    """Every file below ``root/folder``, as sorted paths relative to ``root``."""
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(os.path.join(root, folder))
+                  for n in names)
+
+
 def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "ENOSPC", after_bytes: int = 0) -> dict:
     """Rank 1's data write fails (after some bytes): the tag fails on every rank; 'latest' keeps the previous tag."""
     from faulty_fs import register
@@ -302,8 +308,7 @@ def failing_write_keeps_previous(root: str, on_error: str, fail_errno: str = "EN
             "good_manifest": os.path.exists(f"{root}/good/async_ckpt_manifest.json"),
             "bad_manifest": os.path.exists(f"{root}/bad/async_ckpt_manifest.json"),
             "bad_data_files": sorted(os.path.basename(p) for p in glob.glob(f"{root}/bad/*.pt*")),
-            "bad_files": sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(f"{root}/bad")
-                                for n in names),
+            "bad_files": _files_under(root, "bad"),
             "extras_left": glob.glob(os.path.join(ckpt._shadow, "extras-*"))}
     workload.train(engine, 1, tokens, _rank())
     seen["next_save"] = _outcome(lambda: ckpt.save(tag="after"))
@@ -327,10 +332,10 @@ def deepspeed_failing_after_the_model_states(root: str, fail_model_states: bool 
         ckpt.save(tag="good").result(timeout=120)
     seen: dict = {}
 
-    def files_after_a_failed_save(ckpt) -> None:
+    def after_the_failed_save(ckpt) -> None:
+        """What the failed save left in its tag folder and ``latest``; then the next save and ``latest``."""
         dist.barrier()
-        seen["bad_files"] = sorted(os.path.relpath(os.path.join(d, n), root)
-                                   for d, _, names in os.walk(f"{root}/bad") for n in names)
+        seen["bad_files"] = _files_under(root, "bad")
         seen["latest_after_bad"] = open(f"{root}/latest").read()
         workload.train(engine, 1, tokens, _rank())
         seen["next_save"] = _outcome(lambda: ckpt.save(tag="after").result(timeout=120))
@@ -342,7 +347,7 @@ def deepspeed_failing_after_the_model_states(root: str, fail_model_states: bool 
             error = ckpt.save(tag="bad").exception(timeout=120)
             seen["raised"] = (type(error).__name__, str(error)) if error else None
         with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
-            files_after_a_failed_save(ckpt)
+            after_the_failed_save(ckpt)
     else:
         with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
             def broken_state_dict():
@@ -354,7 +359,7 @@ def deepspeed_failing_after_the_model_states(root: str, fail_model_states: bool 
                 seen["raised"] = _outcome(lambda: ckpt.save(tag="bad"))
             finally:
                 del engine.optimizer.state_dict
-            files_after_a_failed_save(ckpt)
+            after_the_failed_save(ckpt)
     return seen
 
 
