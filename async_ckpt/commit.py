@@ -58,7 +58,7 @@ def mark_started(storage: Storage, tag: str, rank: int, save_id: str) -> None:
 def add_marks_lock(storage: Storage) -> None:
     """Give a local folder (a node's, of the local tier) the lock by which start marks wait for a
     deletion that looks for them (:func:`no_new_marks`). Every rank of the node calls it before its first
-    save there; folders without the lock file (a local URL, where no pass checks marks) take no lock."""
+    save there; folders without the lock file (a local URL, object storage) take no lock."""
     with _marks_lock(storage, shared=True, create=True):
         pass
 
@@ -70,8 +70,9 @@ def no_new_marks(storage: Storage) -> Iterator[None]:
     Local retention checks a tag for another save's start mark, then deletes it. An overwrite's first
     mark written in between would be deleted with the tag, and the new files after it written into a
     folder with no manifest and no mark. Under this lock a mark lands before the check or after the
-    deletion (into a fresh folder). Where the filesystem refuses locks, that window stays open."""
-    with _marks_lock(storage, shared=False, create=True):
+    deletion (into a fresh folder). gc holds it the same way. Where the folder has no lock file (a local
+    URL, object storage) or the filesystem refuses locks, that window stays open."""
+    with _marks_lock(storage, shared=False):
         yield
 
 

@@ -19,12 +19,14 @@ writers' uploads alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import ContextManager
 
 from async_ckpt.catalog import inspect_latest, list_tags, newest_mtime, started_here
-from async_ckpt.commit import delete_tag
+from async_ckpt.commit import delete_tag, no_new_marks
 from async_ckpt.layout import DELETION_MARKS, LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark
 from async_ckpt.storage.base import Storage
 
@@ -52,10 +54,19 @@ def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcRepo
             if not report.dry_run:
                 storage.delete(path)
     markers = f"{tag}/{MARKER_DIR}"
-    if storage.is_dir(markers) and newest_mtime(storage, markers) < cutoff:
-        report.bookkeeping.append(markers)
-        if not report.dry_run:
-            storage.delete(markers, recursive=True)
+    with _holding_off_marks(storage, report.dry_run):
+        if storage.is_dir(markers) and newest_mtime(storage, markers) < cutoff:
+            report.bookkeeping.append(markers)
+            if not report.dry_run:
+                storage.delete(markers, recursive=True)
+
+
+def _holding_off_marks(storage: Storage, dry_run: bool) -> ContextManager[None]:
+    """Around a check that a folder is old and its deletion: in a node folder (one with the marks lock)
+    no start mark lands meanwhile, so a save that reuses the tag's name, whose mark comes first, is
+    either seen by the check (its mark is new) or writes into a fresh folder after the deletion.
+    Elsewhere (a local URL, object storage) a mark written between the two is deleted with the folder."""
+    return contextlib.nullcontext() if dry_run else no_new_marks(storage)
 
 
 def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool = False) -> GcReport:
@@ -91,10 +102,12 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             logger.info("gc %s: %s has neither a manifest nor async_ckpt's start mark: kept, as async_ckpt did not "
                         "start it (a checkpoint stock DeepSpeed wrote?); remove it yourself if it is garbage",
                         storage.url, info.tag)
-        elif newest_mtime(storage, info.tag) < cutoff:
-            (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
-            if not dry_run:
-                delete_tag(storage, info.tag)
+        else:
+            with _holding_off_marks(storage, dry_run):
+                if newest_mtime(storage, info.tag) < cutoff:
+                    (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
+                    if not dry_run:
+                        delete_tag(storage, info.tag)
     foreign = uncommitted - ours
     ours |= deleting - foreign  # an upload under a tag being deleted is ours too
     for tag in deleting - (uncommitted - foreign):  # the mark of a deletion that ended, or of a name since reused

@@ -8,6 +8,7 @@ store and one storage, for the races between ranks, which need timing no trainin
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -20,7 +21,7 @@ from async_ckpt import ConfigError, CorruptManifestError, WaitTimeoutError, layo
 from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.cli import main
-from async_ckpt.commit import apply_retention
+from async_ckpt.commit import add_marks_lock, apply_retention, mark_started
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.gc import collect_garbage
@@ -321,6 +322,50 @@ def test_gc_keeps_folders_async_ckpt_did_not_start(tmp_path):
     report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
     assert report.kept_foreign == ["global_step100", "global_step200"] and report.incomplete_tags == []
     assert all(os.path.isfile(tmp_path / t / "mp_rank_00_model_states.pt") for t in report.kept_foreign)
+
+
+class _SaveReusesTheName(LocalStorage):
+    """A node folder where, as gc deletes the dead folder ``dead`` (or ``live``'s old bookkeeping), a new
+    save of that tag starts writing its start mark on another thread: ``landed_during`` is whether the
+    mark was written within 0.5 s, while the deletion had not yet begun; ``marked`` is set once it is."""
+
+    def __init__(self, root: str, folder: str) -> None:
+        super().__init__(root)
+        self.folder, self.landed_during, self.marked = folder, None, threading.Event()
+
+    def delete(self, relpath, *, recursive=False):
+        if recursive and relpath == self.folder and self.landed_during is None:
+            tag = self.folder.split("/")[0]
+            threading.Thread(target=lambda: (mark_started(open_storage(self.root), tag, 1, "new-save"),
+                                             self.marked.set()), daemon=True).start()
+            self.landed_during = self.marked.wait(0.5)
+        return super().delete(relpath, recursive=recursive)
+
+
+def test_gc_holds_off_a_start_mark_while_it_deletes_a_dead_save_in_a_node_folder(tmp_path):
+    _folder(tmp_path, "dead", start_mark=True, age_s=7200)
+    storage = _SaveReusesTheName(str(tmp_path), "dead")
+    add_marks_lock(storage)
+    assert collect_garbage(storage, grace_s=3600).incomplete_tags == ["dead"]
+    assert storage.landed_during is False and storage.marked.wait(30)
+    assert _every_file(tmp_path) == [layout.MARKS_LOCK, layout.start_mark("dead", 1)]  # the new save's, in a fresh folder
+
+
+def test_gc_holds_off_a_start_mark_while_it_removes_a_committed_tags_old_bookkeeping_in_a_node_folder(tmp_path):
+    storage = _SaveReusesTheName(str(tmp_path), "live/.async_ckpt")
+    add_marks_lock(storage)
+    commit_by_hand(storage, "live", 1)
+    _folder(tmp_path, "live", start_mark=True, age_s=7200)  # a mark its commit could not remove
+    assert collect_garbage(storage, grace_s=3600).bookkeeping == ["live/.async_ckpt"]
+    assert storage.landed_during is False and storage.marked.wait(30)
+    assert _every_file(tmp_path / "live") == [layout.MARKER_DIR + "/" + os.path.basename(layout.start_mark("live", 1)),
+                                              MANIFEST, "mp_rank_00_model_states.pt"]
+
+
+def test_gc_adds_no_marks_lock_to_a_local_url(tmp_path):
+    _folder(tmp_path, "dead", start_mark=True, age_s=7200)
+    assert collect_garbage(open_storage(str(tmp_path)), grace_s=3600).incomplete_tags == ["dead"]
+    assert not (tmp_path / layout.MARKS_LOCK).exists()
 
 
 # ---------------------------------------------------------------- configuration types
