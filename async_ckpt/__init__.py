@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.errors import (AsyncCkptError, CheckpointerClosedError, CheckpointNotFoundError, ConfigError,
                                ConversionError, CorruptManifestError, InvalidTagError, NotCommittedError,
-                               SaveFailedError, StorageError, TagExistsError, TagMismatchError, UsageError,
-                               VerificationError, WaitTimeoutError, ZipLayoutError)
+                               SaveFailedError, StorageError, TagExistsError, TagMismatchError,
+                               UnsupportedManifestError, UsageError, VerificationError, WaitTimeoutError,
+                               ZipLayoutError)
 from async_ckpt.handle import SaveHandle, SaveResult
 
 __version__ = "0.1.0"
@@ -32,7 +33,8 @@ __all__ = [
     "wrap", "wait_all", "AsyncCheckpointer", "CheckpointConfig", "SaveHandle", "SaveResult",
     "AsyncCkptError", "ConfigError", "InvalidTagError", "TagExistsError", "StorageError", "SaveFailedError",
     "CheckpointNotFoundError", "NotCommittedError", "VerificationError", "CheckpointerClosedError", "UsageError",
-    "ConversionError", "CorruptManifestError", "WaitTimeoutError", "TagMismatchError", "ZipLayoutError",
+    "ConversionError", "CorruptManifestError", "UnsupportedManifestError", "WaitTimeoutError", "TagMismatchError",
+    "ZipLayoutError",
 ]
 
 

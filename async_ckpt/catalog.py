@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from async_ckpt.errors import CorruptManifestError
+from async_ckpt.errors import CorruptManifestError, UnsupportedManifestError
 from async_ckpt.layout import LATEST, MANIFEST, MARKER_DIR, deletion_mark, is_start_mark, manifest_path
 from async_ckpt.manifest import Manifest
 from async_ckpt.storage.base import Storage
@@ -17,6 +17,8 @@ class TagInfo:
     manifest: Manifest | None
     #: Why the tag's manifest could not be read (a corrupt tag: never loaded, collected by gc).
     error: str | None = None
+    #: The manifest is another async_ckpt version's format: never loaded, never deleted by this version.
+    unsupported: bool = False
 
     @property
     def committed(self) -> bool:
@@ -24,7 +26,9 @@ class TagInfo:
 
     @property
     def state(self) -> str:
-        return "committed" if self.committed else "corrupt" if self.error else "incomplete"
+        if self.committed:
+            return "committed"
+        return "unsupported" if self.unsupported else "corrupt" if self.error else "incomplete"
 
 
 def read_latest(storage: Storage, name: str = LATEST) -> str | None:
@@ -50,15 +54,16 @@ def inspect_latest(storage: Storage, name: str = LATEST) -> tuple[str | None, st
 
 
 def read_manifest(storage: Storage, tag: str) -> Manifest | None:
-    """The tag's manifest, ``None`` if it has none; :class:`CorruptManifestError` naming the file if unreadable."""
+    """The tag's manifest, ``None`` if it has none; :class:`CorruptManifestError` naming the file if unreadable,
+    :class:`UnsupportedManifestError` naming it if another version's."""
     try:
         raw = storage.read_bytes(manifest_path(tag))
     except FileNotFoundError:
         return None
     try:
         return Manifest.from_json(raw)
-    except CorruptManifestError as exc:
-        raise CorruptManifestError(f"{storage.url}/{manifest_path(tag)}: {exc}") from exc
+    except (CorruptManifestError, UnsupportedManifestError) as exc:
+        raise type(exc)(f"{storage.url}/{manifest_path(tag)}: {exc}") from exc
 
 
 def holds_files(storage: Storage, relpath: str) -> bool:
@@ -68,8 +73,15 @@ def holds_files(storage: Storage, relpath: str) -> bool:
 
 def newest_mtime(storage: Storage, relpath: str) -> float:
     """The newest time of anything under ``relpath``. A folder without files yet (a save that has
-    just begun) counts with its own time, or as new where the store keeps none: never as old."""
-    times = [storage.modified(p) for p in storage.iter_files(relpath)]
+    just begun) counts with its own time, or as new where the store keeps none: never as old. So does
+    one where a listed file is gone by the time it is looked at (a save renamed or removed it): a
+    folder being written to is new."""
+    times = []
+    for path in storage.iter_files(relpath):
+        try:
+            times.append(storage.modified(path))
+        except FileNotFoundError:
+            return time.time()
     if times:
         return max(times)
     try:
@@ -121,4 +133,6 @@ def list_tags(storage: Storage) -> list[TagInfo]:
             infos.append(TagInfo(name, read_manifest(storage, name)))
         except CorruptManifestError as exc:
             infos.append(TagInfo(name, None, error=str(exc)))
+        except UnsupportedManifestError as exc:
+            infos.append(TagInfo(name, None, error=str(exc), unsupported=True))
     return sorted(infos, key=lambda i: (i.committed, i.manifest.recency if i.manifest else (0.0, -1), i.tag))

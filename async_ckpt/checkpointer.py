@@ -35,7 +35,7 @@ from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, de
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, CorruptManifestError,
                                InvalidTagError, SaveFailedError, StorageError, TagExistsError, TagMismatchError,
-                               UsageError, VerificationError, WaitTimeoutError)
+                               UnsupportedManifestError, UsageError, VerificationError, WaitTimeoutError)
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Handshake, Outcome, brief, job_store
 from async_ckpt.job import SaveJob
@@ -318,7 +318,8 @@ class AsyncCheckpointer:
                                           lambda failed=manifest: older_committed(self.storage, failed)) \
                 if fallback else None
             if older is None:
-                raise VerificationError(first + ("" if not fallback else "; no older committed tag to fall back to"))
+                raise VerificationError(first + ("; no older committed tag to fall back to" if fallback else
+                                                 "; load another tag or pass fallback=True"))
             logger.warning("rank %d: %s; falling back to %s", self.rank, first, older.tag)
             manifest = older
             try:
@@ -386,8 +387,8 @@ class AsyncCheckpointer:
                 load_dir, manifest, source = self._nearest_copy(chosen, in_local, in_durable, dp_rank, mp_rank)
             except UsageError as exc:  # a layout this job cannot load: raised on every rank below, no fallback
                 refusal = str(exc)
-            except (VerificationError, CheckpointNotFoundError, StorageError, OSError) as exc:
-                problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            except (VerificationError, CheckpointNotFoundError, StorageError, OSError, UnsupportedManifestError) as exc:
+                problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"  # on every rank at once, below
             gathered = self._gather((problem, refusal))
             refusals = [r for _, r in gathered if r]
             if refusals:

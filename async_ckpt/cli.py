@@ -67,7 +67,7 @@ def _ls(args: argparse.Namespace) -> int:
         lines.append(f"{r['tag'] + (' *' if r['latest'] else ''):<24} {state:<11} {r['step'] if r['step'] is not None else '-':>7} "
                      f"{(r['bytes'] or 0) / 1e9:>8.3f} {r['world_size'] or '-':>5} {r['zero_stage'] if r['zero_stage'] is not None else '-':>4} "
                      f"{r['dtype'] or '-':<5} {(r['time'] or '-')[:19]}")
-    lines += [f"{r['tag']}: corrupt: {r['error']}" for r in rows if r["error"]]
+    lines += [f"{r['tag']}: {r['state']}: {r['error']}" for r in rows if r["error"]]
     lines.append(f"(* = latest: {latest})" if latest else f"('latest' cannot be read: {latest_error})"
                  if latest_error else "(no 'latest' file)")
     _emit(args, {"url": storage.url, "latest": latest, "latest_error": latest_error, "tags": rows},
@@ -110,6 +110,8 @@ def _gc(args: argparse.Namespace) -> int:
                         for tag in report.kept_latest]
                      + [f"kept {tag}: neither a manifest nor a start mark (not a save async_ckpt started)"
                         for tag in report.kept_foreign]
+                     + [f"kept {tag}: its manifest is in another async_ckpt version's format"
+                        for tag in report.kept_unsupported]
                      + [f"kept upload {key}: outside async_ckpt's tag folders" for key in report.kept_uploads])
     _emit(args, asdict(report), text)
     return EXIT_OK

@@ -64,15 +64,16 @@ def add_marks_lock(storage: Storage) -> None:
 
 
 @contextlib.contextmanager
-def no_new_marks(storage: Storage) -> Iterator[None]:
-    """Hold off start marks in the node folder ``storage`` for the block (its lock, :func:`add_marks_lock`).
+def no_new_marks(storage: Storage, *, create: bool = True) -> Iterator[None]:
+    """Hold off start marks in the node folder ``storage`` for the block (its lock, :func:`add_marks_lock`;
+    made again if the folder was wiped, unless ``create`` is false: gc adds none to a folder without one).
 
     Local retention checks a tag for another save's start mark, then deletes it. An overwrite's first
     mark written in between would be deleted with the tag, and the new files after it written into a
     folder with no manifest and no mark. Under this lock a mark lands before the check or after the
     deletion (into a fresh folder). gc holds it the same way. Where the folder has no lock file (a local
     URL, object storage) or the filesystem refuses locks, that window stays open."""
-    with _marks_lock(storage, shared=False):
+    with _marks_lock(storage, shared=False, create=create):
         yield
 
 

@@ -63,6 +63,12 @@ class CorruptManifestError(VerificationError):
     """A tag's manifest cannot be read (not JSON, not a manifest): the tag counts as corrupt, never committed."""
 
 
+class UnsupportedManifestError(AsyncCkptError):
+    """A tag's manifest is in a format of another async_ckpt version (``async_ckpt/N``) that this one does
+    not read: not corrupt, so this version neither loads it nor deletes it (gc, retention). Upgrade
+    async_ckpt to load it."""
+
+
 class WaitTimeoutError(AsyncCkptError, TimeoutError):
     """A bounded wait ran out (``save()`` for the previous save, ``wait()``, ``close()``, a save handle's
     ``result``, ``exception`` and ``local_result`` with a ``timeout``); the message names the tag and what was

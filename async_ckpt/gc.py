@@ -6,7 +6,8 @@ with one that cannot be read (a corrupt tag, which is never loaded),
 multipart uploads that were never completed or aborted (their parts are stored, and billed, until
 aborted). Anything younger than the grace period may belong to a save still in progress and is left alone.
 
-Only folders async_ckpt started are removed (whole). A folder without a manifest is a save of ours
+Only folders async_ckpt started are removed (whole). A tag whose manifest is in another version's
+format is kept (``kept_unsupported``): that version may still use it. A folder without a manifest is a save of ours
 that died only if it holds a start mark (every rank writes one before its first file of a tag,
 :func:`async_ckpt.commit.mark_started`) or a deletion mark names it and none of its files is newer
 (a deletion cut short, :func:`async_ckpt.commit.delete_tag`): :func:`async_ckpt.catalog.started_here`.
@@ -43,13 +44,14 @@ class GcReport:
     aborted_uploads: list[str] = field(default_factory=list)
     kept_latest: list[str] = field(default_factory=list)  # uncommitted folders kept: a latest file names them (or may)
     kept_foreign: list[str] = field(default_factory=list)  # folders without a manifest or a start mark: not ours
+    kept_unsupported: list[str] = field(default_factory=list)  # manifests in another async_ckpt version's format
     kept_uploads: list[str] = field(default_factory=list)  # uploads outside our tag folders: not ours
 
 
 def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcReport) -> None:
     """In a committed tag: ``.partial`` files and the bookkeeping folder older than ``cutoff``."""
     for path in storage.iter_files(tag):
-        if path.endswith(".partial") and storage.modified(path) < cutoff:
+        if path.endswith(".partial") and _older_than(storage, path, cutoff):
             report.partial_files.append(path)
             if not report.dry_run:
                 storage.delete(path)
@@ -61,12 +63,19 @@ def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcRepo
                 storage.delete(markers, recursive=True)
 
 
+def _older_than(storage: Storage, path: str, cutoff: float) -> bool:
+    try:
+        return storage.modified(path) < cutoff
+    except FileNotFoundError:  # renamed or removed since the listing: a save at work
+        return False
+
+
 def _holding_off_marks(storage: Storage, dry_run: bool) -> ContextManager[None]:
     """Around a check that a folder is old and its deletion: in a node folder (one with the marks lock)
     no start mark lands meanwhile, so a save that reuses the tag's name, whose mark comes first, is
     either seen by the check (its mark is new) or writes into a fresh folder after the deletion.
     Elsewhere (a local URL, object storage) a mark written between the two is deleted with the folder."""
-    return contextlib.nullcontext() if dry_run else no_new_marks(storage)
+    return contextlib.nullcontext() if dry_run else no_new_marks(storage, create=False)
 
 
 def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool = False) -> GcReport:
@@ -85,6 +94,11 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     deleting = set(storage.list_dir(DELETION_MARKS))
     ours, uncommitted = set(), set()  # ours: tag folders async_ckpt wrote: committed, corrupt or marked
     for info in list_tags(storage):
+        if info.unsupported:
+            report.kept_unsupported.append(info.tag)
+            logger.warning("gc %s: %s: kept, as this async_ckpt cannot tell whether it is garbage", storage.url,
+                           info.error)
+            continue
         if info.committed:
             ours.add(info.tag)
             _collect_leftovers(storage, info.tag, cutoff, report)

@@ -3,17 +3,23 @@
 A tag is committed exactly when its manifest exists. It lists every file of the tag with size
 and CRC-32, so a load can verify what it reads and a crashed save can be told apart from a good
 one without trusting ``latest``.
+
+Versions share roots (a job, and the CLI of an older install on a login node), so a manifest an
+older version cannot read must not look corrupt to it: gc deletes corrupt tags. A field a later
+version adds keeps the format when older readers may ignore it (they do); any other change is a
+new ``async_ckpt/N``, which an older reader reports as :class:`UnsupportedManifestError`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterable
 
-from async_ckpt.errors import CorruptManifestError
+from async_ckpt.errors import CorruptManifestError, UnsupportedManifestError
 
 FORMAT = "async_ckpt/1"
+_FORMATS = "async_ckpt/"  # every version's formats begin so
 
 
 @dataclass(frozen=True)
@@ -84,12 +90,19 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "Manifest":
-        """Parse a manifest; :class:`CorruptManifestError` if it is not one (bit rot, a hand edit)."""
+        """Parse a manifest; :class:`CorruptManifestError` if it is not one (bit rot, a hand edit),
+        :class:`UnsupportedManifestError` if it is another version's format. Fields this version does not
+        know are ignored (a later version's additions to this format)."""
         try:
             data = json.loads(raw)
             found = data.get("format") if isinstance(data, dict) else None
+            if isinstance(found, str) and found.startswith(_FORMATS) and found != FORMAT:
+                raise UnsupportedManifestError(f"manifest format {found!r} is another async_ckpt version's (this "
+                                               f"one reads {FORMAT!r}): upgrade async_ckpt to load this tag")
             if found != FORMAT:
                 raise ValueError(f"unknown manifest format {found!r} (expected {FORMAT!r})")
+            known = {f.name for f in fields(cls)}
+            data = {key: value for key, value in data.items() if key in known}
             data["files"] = [FileEntry.from_dict(f) for f in data["files"]]
             return cls(**data)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError

@@ -14,7 +14,8 @@ import os
 import re
 
 from async_ckpt.catalog import inspect_latest, list_tags, read_manifest
-from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
+from async_ckpt.errors import (CheckpointNotFoundError, NotCommittedError, UnsupportedManifestError,
+                               VerificationError)
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.pull import PullReport, download
@@ -35,7 +36,8 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
       ``save_latest=False`` never make ``latest`` stale: they are resumed only when named;
     - if ``latest`` is missing, unreadable or names a tag that is gone, uncommitted or corrupt: the
       newest committed tag that moved ``latest`` (else the newest committed tag);
-    - tags whose manifest cannot be read are skipped with a warning naming them;
+    - tags whose manifest cannot be read are skipped with a warning naming them, unless ``latest`` names
+      one in another async_ckpt version's format: :class:`UnsupportedManifestError`, not an older tag;
     - consolidated tags (whole-model weights, not a ZeRO checkpoint) are never chosen.
 
     With ``universal``, the same among universal tags, by ``latest_universal``.
@@ -55,9 +57,11 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
     latest, unreadable = inspect_latest(storage, latest_name)
     infos = list_tags(storage)
     for info in infos:
+        if info.unsupported and info.tag == latest:  # not an older tag in its place: what the run saved last
+            raise UnsupportedManifestError(f"{latest_name!r} names {info.tag!r}: {info.error}")
         if info.error:
-            logger.warning("skipping corrupt tag %s: %s (`async-ckpt gc` removes it after the grace period)",
-                           info.tag, info.error)
+            logger.warning("skipping %s tag %s: %s%s", info.state, info.tag, info.error,
+                           "" if info.unsupported else " (`async-ckpt gc` removes it after the grace period)")
     committed = [t.manifest for t in infos
                  if t.committed and t.manifest.universal == universal and not t.manifest.consolidated]
     moved_latest = [m for m in committed if m.sets_latest]
@@ -103,7 +107,7 @@ def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, mp
             raise VerificationError(f"{storage.url}/{manifest.tag}/{path}: {check.problem} (expected size "
                                     f"{check.expected_size}, crc32 {check.expected_crc32}; found size "
                                     f"{check.actual_size}, crc32 {check.actual_crc32}). The file is corrupt or "
-                                    "truncated; load another tag or pass fallback=True")
+                                    "truncated")
 
 
 def rank_files(manifest: Manifest, dp_rank: int | None, mp_rank: int | None = None) -> list[str]:

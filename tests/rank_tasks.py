@@ -449,6 +449,7 @@ def recovery_after_crashes(root: str) -> dict:
                 fh.truncate(1000)
         dist.barrier()
         out["truncated_shard"] = _outcome(lambda: ckpt.load(tag="older"))
+        out["truncated_shard_fallback"] = _outcome(lambda: ckpt.load(tag="older", fallback=True))
         workload.train(engine, 1, tokens, _rank())
         ckpt.save(tag="third").result(timeout=60)
         if _rank() == 0:

@@ -7,6 +7,7 @@ store and one storage, for the races between ranks, which need timing no trainin
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 import commit_tasks
 from manifests import commit_by_hand
-from async_ckpt import ConfigError, CorruptManifestError, WaitTimeoutError, layout
+from async_ckpt import ConfigError, CorruptManifestError, UnsupportedManifestError, WaitTimeoutError, layout
 from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.cli import main
@@ -30,6 +31,7 @@ from async_ckpt.handshake import Handshake
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import Manifest
+from async_ckpt.resume import resolve
 from async_ckpt.staging import CopyTicket, StagedFile
 from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.writer import BackgroundWriter
@@ -205,6 +207,63 @@ def test_an_unreadable_manifest_raises_a_typed_error():
         Manifest.from_json(b"{'not': json")
 
 
+# ---------------------------------------------------------------- manifests of other versions
+
+
+def _rewrite_manifest(root, tag: str, **changes) -> None:
+    """Commit ``tag`` by hand (one file beside the manifest, both two hours old), its manifest changed
+    as another async_ckpt version would write it."""
+    storage = open_storage(str(root))
+    commit_by_hand(storage, tag, 1)
+    path = root / tag / MANIFEST
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    for old in (path, root / tag / "mp_rank_00_model_states.pt"):
+        os.utime(old, (time.time() - 7200,) * 2)
+
+
+def test_a_manifest_field_this_version_does_not_know_is_ignored(tmp_path):
+    _rewrite_manifest(tmp_path, "t", sharding={"added": "later"})
+    assert read_manifest(open_storage(str(tmp_path)), "t").tag == "t"
+
+
+def test_a_manifest_in_another_versions_format_is_refused_naming_the_file_and_the_fix(tmp_path):
+    _rewrite_manifest(tmp_path, "t", format="async_ckpt/2")
+    with pytest.raises(UnsupportedManifestError, match=r"t/async_ckpt_manifest\.json.*'async_ckpt/2'.*upgrade"):
+        read_manifest(open_storage(str(tmp_path)), "t")
+
+
+def test_gc_keeps_a_tag_in_another_versions_format(tmp_path):
+    _rewrite_manifest(tmp_path, "t", format="async_ckpt/2")
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
+    assert report.kept_unsupported == ["t"] and report.corrupt_tags == []
+    assert (tmp_path / "t" / MANIFEST).is_file() and (tmp_path / "t" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_retention_keeps_a_tag_in_another_versions_format(tmp_path):
+    _rewrite_manifest(tmp_path, "a", format="async_ckpt/2")
+    storage = open_storage(str(tmp_path))
+    for step, tag in enumerate(["b", "c"], start=2):
+        commit_by_hand(storage, tag, step)
+    assert apply_retention(storage, "c", keep_last=1) == ["b"]
+    assert (tmp_path / "a" / MANIFEST).is_file()
+
+
+def test_resume_refuses_a_latest_in_another_versions_format_rather_than_take_an_older_tag(tmp_path):
+    storage = open_storage(str(tmp_path))
+    commit_by_hand(storage, "older", 1)
+    _rewrite_manifest(tmp_path, "newer", format="async_ckpt/2")
+    (tmp_path / "latest").write_text("newer")
+    with pytest.raises(UnsupportedManifestError, match="'latest' names 'newer'.*upgrade"):
+        resolve(storage, None)
+
+
+def test_ls_shows_a_tag_in_another_versions_format_as_unsupported(tmp_path, capsys):
+    _rewrite_manifest(tmp_path, "t", format="async_ckpt/2")
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "t: unsupported: " in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- gc grace
 
 
@@ -322,6 +381,36 @@ def test_gc_keeps_folders_async_ckpt_did_not_start(tmp_path):
     report = collect_garbage(open_storage(str(tmp_path)), grace_s=0)
     assert report.kept_foreign == ["global_step100", "global_step200"] and report.incomplete_tags == []
     assert all(os.path.isfile(tmp_path / t / "mp_rank_00_model_states.pt") for t in report.kept_foreign)
+
+
+class _WriteEndsWhileListed(LocalStorage):
+    """Local storage where each ``.partial`` file takes its final name (a save's write ending) just after
+    gc listed it, before gc looks at its time."""
+
+    def modified(self, relpath):
+        if relpath.endswith(".partial"):
+            os.replace(os.path.join(self.root, relpath), os.path.join(self.root, relpath.removesuffix(".partial")))
+        return super().modified(relpath)
+
+
+def _old_partial(root, tag: str) -> None:
+    partial = root / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt.partial"
+    partial.write_bytes(b"x")
+    os.utime(partial, (time.time() - 7200,) * 2)
+
+
+def test_gc_keeps_a_folder_whose_file_a_save_renames_while_gc_looks(tmp_path):
+    _folder(tmp_path, "writing", start_mark=True, age_s=7200)
+    _old_partial(tmp_path, "writing")
+    assert collect_garbage(_WriteEndsWhileListed(str(tmp_path)), grace_s=3600).incomplete_tags == []
+    assert (tmp_path / "writing" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
+
+
+def test_gc_goes_on_past_a_committed_tags_partial_file_renamed_while_gc_looks(tmp_path):
+    commit_by_hand(open_storage(str(tmp_path)), "live", 1)
+    _old_partial(tmp_path, "live")
+    assert collect_garbage(_WriteEndsWhileListed(str(tmp_path)), grace_s=3600).partial_files == []
+    assert (tmp_path / "live" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
 
 
 class _SaveReusesTheName(LocalStorage):

@@ -48,6 +48,18 @@ def test_truncated_shard_is_refused_naming_expected_and_actual_size(recovered):
         assert kind == "VerificationError" and "size 1000 != expected" in message
 
 
+def test_a_refused_tag_says_to_load_another_or_fall_back(recovered):
+    for rank in recovered:
+        assert rank["truncated_shard"][1].endswith("; load another tag or pass fallback=True")
+
+
+def test_a_fallback_with_no_older_tag_says_so_and_not_to_pass_fallback(recovered):
+    for rank in recovered:
+        kind, message = rank["truncated_shard_fallback"]
+        assert kind == "VerificationError" and "size 1000 != expected" in message
+        assert message.endswith("; no older committed tag to fall back to") and "pass fallback" not in message
+
+
 def test_missing_shard_is_refused_naming_the_file(recovered):
     for rank in recovered:
         kind, message = rank["missing_shard"]

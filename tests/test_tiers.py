@@ -541,7 +541,7 @@ def test_a_start_mark_waits_while_local_retention_checks_and_deletes(tmp_path):
 
 
 def test_a_local_url_gets_no_marks_lock(tmp_path):
-    """Only node folders have one: nothing at a local URL checks marks before deleting."""
+    """Only node folders have one: at a local URL no pass holds marks off (gc tries, and finds no lock file)."""
     url = open_storage(str(tmp_path / "url"))
     commit.mark_started(url, "t1", 0, "save-1")
     assert not url.exists(MARKS_LOCK)
