@@ -4,13 +4,15 @@ Left behind by a crash can be: tag folders without a manifest (a save that never
 with one that cannot be read (a corrupt tag, which is never loaded),
 ``.partial`` files (a write cut off mid-file), bookkeeping folders (``.async_ckpt/``), and on S3
 multipart uploads that were never completed or aborted (their parts are stored, and billed, until
-aborted). Anything younger than the grace period may belong to a save still in progress and is left alone.
+aborted). Anything younger than the grace period may belong to a save still in progress and is left
+alone: a folder is as young as its newest file, or as the last part uploaded under it.
 
 Only folders async_ckpt started are removed (whole). A tag whose manifest is in another version's
-format is kept (``kept_unsupported``): that version may still use it. A folder without a manifest is a save of ours
-that died only if it holds a start mark (every rank writes one before its first file of a tag,
-:func:`async_ckpt.commit.mark_started`) or a deletion mark names it and none of its files is newer
-(a deletion cut short, :func:`async_ckpt.commit.delete_tag`): :func:`async_ckpt.catalog.started_here`.
+format is kept (``kept_unsupported``): that version may still use it. A folder without a manifest is
+a save of ours that died only if it holds a start mark (every rank writes one before its first file
+of a tag, :func:`async_ckpt.commit.mark_started`) or a deletion mark names it and none of its files
+is newer (a deletion cut short, :func:`async_ckpt.commit.delete_tag`):
+:func:`async_ckpt.catalog.started_here`.
 Any other is kept and reported (``kept_foreign``): a checkpoint stock DeepSpeed wrote, say before
 the engine was wrapped, has no manifest either. So is the folder ``latest`` or ``latest_universal``
 names, and every folder without a manifest while either file cannot be read. An upload is aborted
@@ -92,6 +94,11 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
         logger.warning("gc %s: %s; folders without a readable manifest are kept, as it may name one of them",
                        storage.url, "; ".join(unreadable))
     deleting = set(storage.list_dir(DELETION_MARKS))
+    uploads = storage.list_incomplete_uploads()  # first: a save whose only activity is an upload is alive
+    uploading: dict[str, float] = {}  # tag -> the last activity of an upload under it
+    for key, _, active in uploads:
+        tag = key.split("/", 1)[0]
+        uploading[tag] = max(active, uploading.get(tag, 0.0))
     ours, uncommitted = set(), set()  # ours: tag folders async_ckpt wrote: committed, corrupt or marked
     for info in list_tags(storage):
         if info.unsupported:
@@ -118,7 +125,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
                         storage.url, info.tag)
         else:
             with _holding_off_marks(storage, dry_run):
-                if newest_mtime(storage, info.tag) < cutoff:
+                if max(newest_mtime(storage, info.tag), uploading.get(info.tag, 0.0)) < cutoff:
                     (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
                     if not dry_run:
                         delete_tag(storage, info.tag)
@@ -134,10 +141,10 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             report.bookkeeping.append(mark)
             if not dry_run:
                 storage.delete(mark)
-    for key, upload_id, started in storage.list_incomplete_uploads():
+    for key, upload_id, active in uploads:
         if key.split("/", 1)[0] not in ours:
             report.kept_uploads.append(key)
-        elif started < cutoff:
+        elif active < cutoff:
             report.aborted_uploads.append(key)
             if not dry_run:
                 storage.abort_upload(key, upload_id)

@@ -124,6 +124,23 @@ def test_gc_aborts_orphaned_multipart_uploads_on_s3(s3_root, s3, capsys):
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
+def test_gc_keeps_a_save_whose_only_recent_activity_is_a_part_upload_on_s3(s3, capsys):
+    """One rank's large file has been uploading for longer than the grace period: its start mark and its
+    upload's start are older than that, its latest part is not."""
+    bucket = s3.make_bucket("cli-uploading")
+    url, client = f"s3://{bucket}/run", s3.client()
+    key = "run/uploading/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    client.put_object(Bucket=bucket, Key="run/uploading/.async_ckpt/started-rank0", Body=b"x")
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    time.sleep(2.5)  # S3 keeps times to the second
+    client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1024)
+    code, out, _ = run_cli(capsys, "gc", url, "--endpoint", s3.endpoint, "--grace-s", "1.5", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["incomplete_tags"] == [] and report["aborted_uploads"] == []
+    assert [u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket)["Uploads"]] == [upload]
+    assert client.get_object(Bucket=bucket, Key="run/uploading/.async_ckpt/started-rank0")["Body"].read() == b"x"
+
+
 def test_gc_at_a_bucket_root_leaves_other_writers_uploads_alone(s3, capsys):
     bucket = s3.make_bucket("cli-shared")
     client = s3.client()

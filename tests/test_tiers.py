@@ -540,6 +540,14 @@ def test_a_start_mark_waits_while_local_retention_checks_and_deletes(tmp_path):
     assert local.read_bytes(start_mark("t1", 1)) == b"save-1"
 
 
+def test_local_retention_makes_the_marks_lock_again_in_a_wiped_node_folder(tmp_path):
+    local = open_storage(str(tmp_path / "node0"))
+    commit.add_marks_lock(local)
+    shutil.rmtree(tmp_path / "node0")
+    with commit.no_new_marks(local):
+        assert local.exists(MARKS_LOCK)
+
+
 def test_a_local_url_gets_no_marks_lock(tmp_path):
     """Only node folders have one: at a local URL no pass holds marks off (gc tries, and finds no lock file)."""
     url = open_storage(str(tmp_path / "url"))

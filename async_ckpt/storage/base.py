@@ -204,8 +204,9 @@ class Storage(abc.ABC):
         """Last modification time of a file, as a Unix timestamp."""
 
     def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
-        """Unfinished multipart uploads under the root: ``(path relative to the root, upload id, started)``;
-        none for files."""
+        """Unfinished multipart uploads under the root: ``(path relative to the root, upload id, last active)``,
+        the last activity being the newest of its start and its parts' uploads (one still uploading parts
+        is alive however long ago it began); none for files."""
         return []
 
     def abort_upload(self, relpath: str, upload_id: str) -> None:

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, BinaryIO, Callable, Iterator, Mapping, TypeVar
 
+import botocore.exceptions
 import fsspec.asyn
 import s3fs
 
@@ -409,14 +410,30 @@ class S3Storage(FsspecStorage):
         journal.remove()
 
     def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
+        async def last_part(s3: Any, key: str, upload_id: str) -> float:
+            newest, kwargs = 0.0, {"Bucket": self.bucket, "Key": key, "UploadId": upload_id}
+            while True:
+                try:
+                    resp = await s3.list_parts(**kwargs)
+                except botocore.exceptions.ClientError as exc:  # completed or aborted since the listing
+                    if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
+                        return newest
+                    raise
+                newest = max([newest] + [part["LastModified"].timestamp() for part in resp.get("Parts", [])])
+                if not resp.get("IsTruncated"):
+                    return newest
+                kwargs["PartNumberMarker"] = resp["NextPartNumberMarker"]
+
         async def listing() -> list[tuple[str, str, float]]:
             s3 = await self._client()
             prefix = f"{self.prefix}/" if self.prefix else ""
             found, kwargs = [], {"Bucket": self.bucket, "Prefix": prefix}
             while True:
                 resp = await s3.list_multipart_uploads(**kwargs)
-                found += [(u["Key"][len(prefix):], u["UploadId"], u["Initiated"].timestamp())
-                          for u in resp.get("Uploads", [])]
+                for upload in resp.get("Uploads", []):
+                    active = max(upload["Initiated"].timestamp(),
+                                 await last_part(s3, upload["Key"], upload["UploadId"]))
+                    found.append((upload["Key"][len(prefix):], upload["UploadId"], active))
                 if not resp.get("IsTruncated"):
                     return found
                 kwargs.update(KeyMarker=resp["NextKeyMarker"], UploadIdMarker=resp["NextUploadIdMarker"])
