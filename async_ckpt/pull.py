@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import ContextManager
 
 from async_ckpt.errors import MissingFileError, UsageError, VerificationError
-from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank, installed_recovery_scripts
+from async_ckpt.layout import (LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank,
+                               installed_recovery_scripts, model_parallel_size)
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
 from async_ckpt.storage.local import file_lock
@@ -83,8 +84,25 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         # a name of its own per fetch: ranks of a node, or nodes sharing a cache_dir, may fetch one file at once
         tmp = f"{dest}.partial" if resumable else f"{dest}.{uuid.uuid4().hex}.partial"
+        resumed = resumable and os.path.exists(tmp)
+        fetch_into(entry, tmp, resume=resumable)
+        check = check_local_file(tmp, entry)
+        if not check.ok and resumed:  # what an earlier pull kept may be of another save of the tag, since overwritten
+            logger.info("%s/%s: the part an earlier pull kept does not match (%s); fetching it whole", manifest.tag,
+                        entry.path, check.problem)
+            os.unlink(tmp)
+            fetch_into(entry, tmp, resume=False)
+            check = check_local_file(tmp, entry)
+        if not check.ok:
+            os.unlink(tmp)
+            raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: {check.problem}; the stored "
+                                    "file is corrupt or was changed after the commit")
+        os.replace(tmp, dest)
+        return entry.size
+
+    def fetch_into(entry: FileEntry, tmp: str, *, resume: bool) -> None:
         try:
-            storage.get_file(f"{manifest.tag}/{entry.path}", tmp, progress=progress, resume=resumable)
+            storage.get_file(f"{manifest.tag}/{entry.path}", tmp, progress=progress, resume=resume)
         except BaseException as exc:
             if not resumable:  # nobody will resume it
                 for leftover in (tmp, f"{tmp}.parts"):
@@ -94,13 +112,6 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
                 raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: missing from storage; it was "
                                         "deleted after the commit") from exc
             raise
-        check = check_local_file(tmp, entry)
-        if not check.ok:
-            os.unlink(tmp)
-            raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: {check.problem}; the stored "
-                                    "file is corrupt or was changed after the commit")
-        os.replace(tmp, dest)
-        return entry.size
 
     with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="async_ckpt-fetch") as pool:
         for nbytes in pool.map(fetch, entries):
@@ -126,14 +137,21 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise UsageError(f"--dest {dest} is a file; pull into a folder")
     paths = [f.path for f in manifest.files]
+    tag_dir = os.path.join(dest, manifest.tag)
+    others = _files_of_another_save(tag_dir, paths)
+    if others:
+        raise UsageError(f"{tag_dir} holds files that tag {manifest.tag!r} at {storage.url} does not list "
+                         f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): another save of that tag, "
+                         "whose files DeepSpeed's tools would read with these. Pull into another --dest, or remove "
+                         "that folder first")
     if rank is not None:
-        if not 0 <= rank < manifest.world_size:
-            raise UsageError(f"rank {rank} does not exist in tag {manifest.tag!r}, saved by "
-                             f"{manifest.world_size} rank(s); pass --rank 0..{manifest.world_size - 1}")
+        dp_size = manifest.world_size // model_parallel_size(paths)
+        if not 0 <= rank < dp_size:
+            raise UsageError(f"data-parallel rank {rank} does not exist in tag {manifest.tag!r}, saved by "
+                             f"{dp_size} data-parallel rank(s) of {manifest.world_size}; pass --rank 0..{dp_size - 1}")
         keep = set(files_for_rank(paths, rank)) | {p for p in paths if not p.endswith(".pt")}
         paths = [p for p in paths if p in keep]
     entries = [manifest.entry(p) for p in paths]
-    tag_dir = os.path.join(dest, manifest.tag)
     os.makedirs(tag_dir, exist_ok=True)
     total = sum(e.size for e in entries)
     bar = _ProgressBar(total, f"pull {manifest.tag}", show_progress)
@@ -158,6 +176,20 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
                 manifest.tag, storage.url, dest, report.files_fetched, report.bytes_fetched / 1e9,
                 report.files_skipped, report.seconds)
     return report
+
+
+def _files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:
+    """DeepSpeed files already in ``tag_dir`` that the manifest does not list (an earlier pull's leftovers
+    of the same file, ``.partial``, count as its own)."""
+    listed = set(paths)
+    found = []
+    for folder, subfolders, names in os.walk(tag_dir):
+        subfolders[:] = [s for s in subfolders if s != _LOCKS_DIR]
+        for name in names:
+            path = os.path.relpath(os.path.join(folder, name), tag_dir).replace(os.sep, "/")
+            if path.removesuffix(".partial") not in listed and path.endswith((".pt", ".pt.partial")):
+                found.append(path)
+    return sorted(found)
 
 
 def _recovery_script(storage: Storage, name: str) -> bytes | None:

@@ -18,9 +18,12 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import interop_tasks
+from async_ckpt import UsageError
 from async_ckpt.cli import main
+from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.pull import pull
 from async_ckpt.resume import resolve
+from async_ckpt.storage import open_storage
 from async_ckpt.storage.s3 import S3Storage
 from conftest import rank_group
 from s3_server import options
@@ -138,6 +141,41 @@ def test_pull_of_a_missing_tag_or_rank_is_a_clear_error(zero3, s3, capsys, tmp_p
     assert code == 2 and "'nope' not found" in err
     code, _, err = run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(tmp_path), "--rank", "5")
     assert code == 2 and "rank 5 does not exist" in err
+
+
+def test_pull_of_a_rank_counts_data_parallel_ranks_not_every_rank(tmp_path):
+    """4 ranks, tensor-parallel 2: data-parallel ranks 0 and 1 (refused before anything is read)."""
+    files = [FileEntry(f"{name}.pt", 1, "00000000", 0) for name in
+             ("mp_rank_00_model_states", "mp_rank_01_model_states", "zero_pp_rank_0_mp_rank_00_optim_states",
+              "zero_pp_rank_0_mp_rank_01_optim_states", "zero_pp_rank_1_mp_rank_00_optim_states",
+              "zero_pp_rank_1_mp_rank_01_optim_states")]
+    manifest = Manifest(tag="tp", step=1, world_size=4, zero_stage=1, dtype="fp32", files=files)
+    (tmp_path / "root").mkdir()
+    with pytest.raises(UsageError, match=r"rank 2 .* 2 data-parallel rank\(s\) of 4; pass --rank 0\.\.1"):
+        pull(open_storage(str(tmp_path / "root")), manifest, str(tmp_path / "dest"), rank=2, show_progress=False)
+    assert not (tmp_path / "dest").exists()
+
+
+def test_pull_refuses_a_dest_holding_files_of_another_save_of_the_tag(zero3, capsys, tmp_path):
+    stale = tmp_path / zero3["tag"] / "zero_pp_rank_7_mp_rank_00_optim_states.pt"
+    stale.parent.mkdir()
+    stale.write_bytes(b"an older save's shard")
+    code, _, err = run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(tmp_path), "--tag", zero3["tag"])
+    assert code == 2 and "zero_pp_rank_7_mp_rank_00_optim_states.pt" in err and "another --dest" in err
+    assert sorted(os.listdir(stale.parent)) == [stale.name] and not (tmp_path / "latest").exists()
+
+
+def test_pull_fetches_whole_a_file_whose_kept_part_is_of_another_save(zero3, capsys, tmp_path):
+    """An interrupted pull kept the start of a file; the tag was saved again before the pull was rerun."""
+    storage = open_storage(str(zero3["local"]))
+    manifest = resolve(storage, zero3["tag"])
+    entry = max(manifest.files, key=lambda e: e.size)
+    partial = tmp_path / manifest.tag / f"{entry.path}.partial"
+    partial.parent.mkdir()
+    partial.write_bytes(b"\xff" * 4096)
+    pull(storage, manifest, str(tmp_path), show_progress=False)
+    assert (tmp_path / manifest.tag / entry.path).read_bytes() == (zero3["local"] / manifest.tag / entry.path).read_bytes()
+    assert not partial.exists()
 
 
 def test_pull_of_a_corrupt_object_fails_verification_and_publishes_nothing(zero3, s3, capsys, tmp_path):
