@@ -120,6 +120,16 @@ def started_here(storage: Storage, tag: str) -> bool:
     return newest_mtime(storage, tag) <= deleting_since
 
 
+def refuse_unsupported_latest(storage: Storage, name: str = LATEST, infos: list[TagInfo] | None = None) -> None:
+    """Raise :class:`UnsupportedManifestError` where ``name`` (``latest``) names a tag whose manifest is in
+    another async_ckpt version's format: a load must not resume an older tag in place of what the run saved
+    last. ``infos``: the root's :func:`list_tags`, where the caller has it."""
+    latest, _ = inspect_latest(storage, name)
+    for info in list_tags(storage) if infos is None else infos:
+        if info.unsupported and info.tag == latest:
+            raise UnsupportedManifestError(f"{name!r} at {storage.url} names {info.tag!r}: {info.error}")
+
+
 def list_tags(storage: Storage) -> list[TagInfo]:
     """Every tag folder under the root; committed ones last, ordered by ``Manifest.recency`` (save time,
     then step), newest last."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from async_ckpt import __version__ as _version
 from async_ckpt import commit, inflight
-from async_ckpt.catalog import holds_files, read_manifest, started_here
+from async_ckpt.catalog import holds_files, read_manifest, refuse_unsupported_latest, started_here
 from async_ckpt.config import CheckpointConfig, OnError, timeout_argument
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot
@@ -368,8 +368,16 @@ class AsyncCheckpointer:
         load: no tag is deleted once any rank reads. A rank that listed its node folder before that node's
         leader paused may find a tag gone; it then reads the URL's copy, or falls back."""
         self._drainer.pause_retention()  # type: ignore[union-attr]  # a local tier has its drainer
-        views = self._gather_checked("to list the committed tags", lambda: (
-            committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None))
+        def list_committed() -> tuple[dict, dict | None]:
+            """Each rank's node folder and rank 0 the URL; where no tag is named, what ``latest`` names in
+            either must be a tag this version reads, not an older tag in its place (checked on every rank,
+            which then raises that error itself)."""
+            if tag is None:
+                refuse_unsupported_latest(self._local)
+                refuse_unsupported_latest(self.storage)
+            return committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None
+
+        views = self._gather_checked("to list the committed tags", list_committed)
         local_views, durable_view = [v[0] for v in views], views[0][1]
         dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
         unreadable: str | None = None  # the first tag's problem, once fallen back

@@ -76,16 +76,18 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from async_ckpt.errors import CorruptManifestError
+    from async_ckpt.errors import CorruptManifestError, UnsupportedManifestError
     from async_ckpt.resume import resolve
     from async_ckpt.verify import verify_tag
 
     storage = _storage(args)
     try:
         manifest = resolve(storage, args.tag)
-    except CorruptManifestError as exc:
-        _emit(args, {"url": storage.url, "tag": args.tag, "ok": False, "error": str(exc)}, f"BAD  {exc}")
-        return EXIT_FAILED
+    except (CorruptManifestError, UnsupportedManifestError) as exc:  # a tag this version cannot check: exit 2
+        corrupt = isinstance(exc, CorruptManifestError)
+        _emit(args, {"url": storage.url, "tag": args.tag, "ok": False, "error": str(exc)},
+              f"{'BAD' if corrupt else 'UNSUPPORTED'}  {exc}")
+        return EXIT_FAILED if corrupt else EXIT_BAD_INPUT
     checks = verify_tag(storage, manifest)
     bad = [c for c in checks if not c.ok]
     lines = [f"{'ok' if c.ok else 'BAD':<4} {c.path}" + (f"  ({c.problem})" if c.problem else "") for c in checks]

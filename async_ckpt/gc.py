@@ -95,10 +95,18 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
                        storage.url, "; ".join(unreadable))
     deleting = set(storage.list_dir(DELETION_MARKS))
     uploads = storage.list_incomplete_uploads()  # first: a save whose only activity is an upload is alive
-    uploading: dict[str, float] = {}  # tag -> the last activity of an upload under it
-    for key, _, active in uploads:
-        tag = key.split("/", 1)[0]
-        uploading[tag] = max(active, uploading.get(tag, 0.0))
+    active: dict[str, float] = {}
+
+    def last_active(key: str, upload_id: str, started: float) -> float:
+        """An upload's last activity: its start, or its newest part where it began before the cutoff
+        (asked only of the uploads gc decides on, so other writers' are never looked into)."""
+        if upload_id not in active:
+            newest_part = storage.last_part_uploaded(key, upload_id) if started < cutoff else 0.0
+            active[upload_id] = max(started, newest_part)
+        return active[upload_id]
+
+    def uploading(tag: str) -> float:
+        return max((last_active(*upload) for upload in uploads if upload[0].split("/", 1)[0] == tag), default=0.0)
     ours, uncommitted = set(), set()  # ours: tag folders async_ckpt wrote: committed, corrupt or marked
     for info in list_tags(storage):
         if info.unsupported:
@@ -125,7 +133,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
                         storage.url, info.tag)
         else:
             with _holding_off_marks(storage, dry_run):
-                if max(newest_mtime(storage, info.tag), uploading.get(info.tag, 0.0)) < cutoff:
+                if max(newest_mtime(storage, info.tag), uploading(info.tag)) < cutoff:
                     (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
                     if not dry_run:
                         delete_tag(storage, info.tag)
@@ -141,10 +149,10 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             report.bookkeeping.append(mark)
             if not dry_run:
                 storage.delete(mark)
-    for key, upload_id, active in uploads:
+    for key, upload_id, started in uploads:
         if key.split("/", 1)[0] not in ours:
             report.kept_uploads.append(key)
-        elif active < cutoff:
+        elif last_active(key, upload_id, started) < cutoff:
             report.aborted_uploads.append(key)
             if not dry_run:
                 storage.abort_upload(key, upload_id)

@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ContextManager
 
-from async_ckpt.errors import MissingFileError, UsageError, VerificationError
+from async_ckpt.errors import MissingFileError, StorageError, UsageError, VerificationError
 from async_ckpt.layout import (LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank,
-                               installed_recovery_scripts, model_parallel_size)
+                               installed_recovery_scripts, manifest_path, model_parallel_size)
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
 from async_ckpt.storage.local import file_lock
@@ -85,13 +85,13 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
         # a name of its own per fetch: ranks of a node, or nodes sharing a cache_dir, may fetch one file at once
         tmp = f"{dest}.partial" if resumable else f"{dest}.{uuid.uuid4().hex}.partial"
         resumed = resumable and os.path.exists(tmp)
-        fetch_into(entry, tmp, resume=resumable)
+        fetch_into(entry, tmp, resume=resumable, progress=progress)
         check = check_local_file(tmp, entry)
         if not check.ok and resumed:  # what an earlier pull kept may be of another save of the tag, since overwritten
             logger.info("%s/%s: the part an earlier pull kept does not match (%s); fetching it whole", manifest.tag,
                         entry.path, check.problem)
             os.unlink(tmp)
-            fetch_into(entry, tmp, resume=False)
+            fetch_into(entry, tmp, resume=False, progress=None)  # the bar counted this file whole already
             check = check_local_file(tmp, entry)
         if not check.ok:
             os.unlink(tmp)
@@ -100,7 +100,7 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
         os.replace(tmp, dest)
         return entry.size
 
-    def fetch_into(entry: FileEntry, tmp: str, *, resume: bool) -> None:
+    def fetch_into(entry: FileEntry, tmp: str, *, resume: bool, progress: Progress | None) -> None:
         try:
             storage.get_file(f"{manifest.tag}/{entry.path}", tmp, progress=progress, resume=resume)
         except BaseException as exc:
@@ -161,8 +161,9 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     finally:
         bar.close()
     report.dest = dest
+    stored = _stored_manifest(storage, manifest)
     with open(os.path.join(tag_dir, MANIFEST), "wb") as fh:
-        fh.write(manifest.to_json())
+        fh.write(stored)
     for script in RECOVERY_SCRIPTS:
         content = _recovery_script(storage, script)
         if content is None:
@@ -176,6 +177,15 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
                 manifest.tag, storage.url, dest, report.files_fetched, report.bytes_fetched / 1e9,
                 report.files_skipped, report.seconds)
     return report
+
+
+def _stored_manifest(storage: Storage, manifest: Manifest) -> bytes:
+    """The tag's manifest as stored, fields this version does not know included (a later version's, which
+    reads the pulled copy too), provided it is still the save whose files were pulled."""
+    raw = storage.read_bytes(manifest_path(manifest.tag))
+    if Manifest.from_json(raw).save_id != manifest.save_id:
+        raise StorageError(f"tag {manifest.tag!r} at {storage.url} was saved again while it was pulled; pull again")
+    return raw
 
 
 def _files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:

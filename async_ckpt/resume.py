@@ -13,9 +13,8 @@ import logging
 import os
 import re
 
-from async_ckpt.catalog import inspect_latest, list_tags, read_manifest
-from async_ckpt.errors import (CheckpointNotFoundError, NotCommittedError, UnsupportedManifestError,
-                               VerificationError)
+from async_ckpt.catalog import inspect_latest, list_tags, read_manifest, refuse_unsupported_latest
+from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.pull import PullReport, download
@@ -56,9 +55,8 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
     latest_name = LATEST_UNIVERSAL if universal else LATEST
     latest, unreadable = inspect_latest(storage, latest_name)
     infos = list_tags(storage)
+    refuse_unsupported_latest(storage, latest_name, infos)
     for info in infos:
-        if info.unsupported and info.tag == latest:  # not an older tag in its place: what the run saved last
-            raise UnsupportedManifestError(f"{latest_name!r} names {info.tag!r}: {info.error}")
         if info.error:
             logger.warning("skipping %s tag %s: %s%s", info.state, info.tag, info.error,
                            "" if info.unsupported else " (`async-ckpt gc` removes it after the grace period)")

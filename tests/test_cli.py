@@ -10,6 +10,8 @@ import pytest
 
 import rank_tasks
 from async_ckpt.cli import main
+from async_ckpt.gc import collect_garbage
+from async_ckpt.storage.s3 import S3Storage
 from s3_server import options
 
 
@@ -70,6 +72,14 @@ def test_verify_names_a_corrupt_file_and_fails(local_root, capsys, tmp_path):
     rank_tasks._flip_byte(str(copy / "second" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     code, out, _ = run_cli(capsys, "verify", str(copy))
     assert code == 1 and "BAD  zero_pp_rank_0_mp_rank_00_optim_states.pt" in out
+
+
+def test_verify_json_of_a_tag_in_another_versions_format_says_so_in_json(capsys, tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "async_ckpt_manifest.json").write_text(json.dumps({"format": "async_ckpt/2", "tag": "t"}))
+    code, out, _ = run_cli(capsys, "verify", str(tmp_path), "--tag", "t", "--json")
+    report = json.loads(out)
+    assert code == 2 and report["ok"] is False and "upgrade async_ckpt" in report["error"]
 
 
 def test_verify_of_a_missing_tag_is_a_clear_error(local_root, capsys):
@@ -139,6 +149,37 @@ def test_gc_keeps_a_save_whose_only_recent_activity_is_a_part_upload_on_s3(s3, c
     assert code == 0 and report["incomplete_tags"] == [] and report["aborted_uploads"] == []
     assert [u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket)["Uploads"]] == [upload]
     assert client.get_object(Bucket=bucket, Key="run/uploading/.async_ckpt/started-rank0")["Body"].read() == b"x"
+
+
+class _PartsCounted(S3Storage):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[str] = []
+
+    def last_part_uploaded(self, relpath, upload_id):
+        self.asked.append(relpath)
+        return super().last_part_uploaded(relpath, upload_id)
+
+
+def test_gc_looks_into_the_parts_of_its_own_uploads_only(s3):
+    bucket = s3.make_bucket("cli-parts-asked")
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="crashed/.async_ckpt/started-rank0", Body=b"x")
+    for key in ("crashed/zero_pp_rank_0_mp_rank_00_optim_states.pt", "videos/raw.mp4"):
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    storage = _PartsCounted(f"s3://{bucket}", options(s3.endpoint))
+    report = collect_garbage(storage, grace_s=0)
+    assert report.aborted_uploads == ["crashed/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert report.kept_uploads == ["videos/raw.mp4"] and "videos/raw.mp4" not in storage.asked
+
+
+def test_an_upload_that_ended_since_it_was_listed_counts_as_active_now(s3):
+    bucket = s3.make_bucket("cli-upload-ended")
+    client = s3.client()
+    upload = client.create_multipart_upload(Bucket=bucket, Key="t/x.pt")["UploadId"]
+    client.abort_multipart_upload(Bucket=bucket, Key="t/x.pt", UploadId=upload)
+    before = time.time()
+    assert S3Storage(f"s3://{bucket}", options(s3.endpoint)).last_part_uploaded("t/x.pt", upload) >= before
 
 
 def test_gc_at_a_bucket_root_leaves_other_writers_uploads_alone(s3, capsys):

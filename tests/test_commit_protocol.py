@@ -254,7 +254,7 @@ def test_resume_refuses_a_latest_in_another_versions_format_rather_than_take_an_
     commit_by_hand(storage, "older", 1)
     _rewrite_manifest(tmp_path, "newer", format="async_ckpt/2")
     (tmp_path / "latest").write_text("newer")
-    with pytest.raises(UnsupportedManifestError, match="'latest' names 'newer'.*upgrade"):
+    with pytest.raises(UnsupportedManifestError, match="'latest' at .* names 'newer'.*upgrade"):
         resolve(storage, None)
 
 

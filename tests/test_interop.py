@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import interop_tasks
-from async_ckpt import UsageError
+from async_ckpt import StorageError, UsageError
 from async_ckpt.cli import main
+from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.pull import pull
 from async_ckpt.resume import resolve
@@ -176,6 +179,24 @@ def test_pull_fetches_whole_a_file_whose_kept_part_is_of_another_save(zero3, cap
     pull(storage, manifest, str(tmp_path), show_progress=False)
     assert (tmp_path / manifest.tag / entry.path).read_bytes() == (zero3["local"] / manifest.tag / entry.path).read_bytes()
     assert not partial.exists()
+
+
+def test_pull_copies_the_manifest_as_stored_with_fields_this_version_does_not_know(zero3, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(zero3["local"] / zero3["tag"], root / zero3["tag"])
+    stored = root / zero3["tag"] / MANIFEST
+    stored.write_text(json.dumps({**json.loads(stored.read_text()), "added_by_a_later_version": [1, 2]}))
+    storage = open_storage(str(root))
+    pull(storage, resolve(storage, zero3["tag"]), str(tmp_path / "dest"), show_progress=False)
+    assert (tmp_path / "dest" / zero3["tag"] / MANIFEST).read_bytes() == stored.read_bytes()
+
+
+def test_pull_of_a_tag_saved_again_meanwhile_fails_rather_than_label_its_files_with_the_new_save(zero3, tmp_path):
+    storage = open_storage(str(zero3["local"]))
+    pulled = replace(resolve(storage, zero3["tag"]), save_id="the-save-whose-files-were-pulled")
+    with pytest.raises(StorageError, match="saved again while it was pulled"):
+        pull(storage, pulled, str(tmp_path), show_progress=False)
+    assert not (tmp_path / zero3["tag"] / MANIFEST).exists() and not (tmp_path / "latest").exists()
 
 
 def test_pull_of_a_corrupt_object_fails_verification_and_publishes_nothing(zero3, s3, capsys, tmp_path):

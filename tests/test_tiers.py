@@ -246,6 +246,17 @@ def test_a_tag_unreadable_in_every_tier_is_refused_without_fallback(fell_back):
         assert kind == "VerificationError" and "pass fallback=True" in message
 
 
+def test_a_latest_in_another_versions_format_is_refused_on_every_rank_not_passed_over(fell_back):
+    for out in fell_back:
+        kind, message = out["latest_unsupported"]
+        assert kind == "UnsupportedManifestError" and "'latest'" in message and "'v2'" in message
+        assert "upgrade" in message
+
+
+def test_a_named_tag_loads_while_latest_is_in_another_versions_format(fell_back):
+    assert [out["named_past_unsupported"] for out in fell_back] == ["older", "older"]
+
+
 def test_fallback_from_a_named_tag_moves_every_rank_to_an_older_tag_not_a_newer_one(fell_back):
     assert [(out["named"], out["newest_whole"]) for out in fell_back] == [("older", "newest")] * 2
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import async_ckpt
 from async_ckpt import workload
 from async_ckpt.catalog import read_manifest
+from async_ckpt.layout import MANIFEST
 from async_ckpt.gc import collect_garbage
 from async_ckpt.storage import open_storage
 from rank_tasks import STEPS_AFTER, _flip_byte, _outcome, async_ckpt_log
@@ -209,6 +210,17 @@ def fallback_in_tiers(durable: str, work: str) -> dict:
         out["both_broken"] = ckpt.load(fallback=True)[0]
         corrupt("newer")  # flipped back: whole again
         out["newer_repaired"] = ckpt.load(fallback=True)[0]
+        if _rank() == 0:  # a later async_ckpt version saved 'v2' at the URL in a format of its own
+            with open(os.path.join(durable, "newest", MANIFEST)) as fh:
+                manifest = {**json.load(fh), "tag": "v2", "format": "async_ckpt/2"}
+            os.makedirs(os.path.join(durable, "v2"))
+            with open(os.path.join(durable, "v2", MANIFEST), "w") as fh:
+                json.dump(manifest, fh)
+            with open(os.path.join(durable, "latest"), "w") as fh:
+                fh.write("v2")
+        dist.barrier()
+        out["latest_unsupported"] = _outcome(lambda: ckpt.load(fallback=True))
+        out["named_past_unsupported"] = ckpt.load(tag="older")[0]
     return out
 
 

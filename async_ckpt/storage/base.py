@@ -204,10 +204,15 @@ class Storage(abc.ABC):
         """Last modification time of a file, as a Unix timestamp."""
 
     def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
-        """Unfinished multipart uploads under the root: ``(path relative to the root, upload id, last active)``,
-        the last activity being the newest of its start and its parts' uploads (one still uploading parts
-        is alive however long ago it began); none for files."""
+        """Unfinished multipart uploads under the root: ``(path relative to the root, upload id, started)``;
+        none for files."""
         return []
+
+    def last_part_uploaded(self, relpath: str, upload_id: str) -> float:
+        """When the newest part of an unfinished upload was uploaded (Unix time; 0.0 if none, or where the
+        store will not tell; now if the upload ended since it was listed): one still uploading parts is
+        alive however long ago it began."""
+        return 0.0
 
     def abort_upload(self, relpath: str, upload_id: str) -> None:
         raise NotImplementedError

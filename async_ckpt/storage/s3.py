@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
@@ -410,35 +411,45 @@ class S3Storage(FsspecStorage):
         journal.remove()
 
     def list_incomplete_uploads(self) -> list[tuple[str, str, float]]:
-        async def last_part(s3: Any, key: str, upload_id: str) -> float:
-            newest, kwargs = 0.0, {"Bucket": self.bucket, "Key": key, "UploadId": upload_id}
-            while True:
-                try:
-                    resp = await s3.list_parts(**kwargs)
-                except botocore.exceptions.ClientError as exc:  # completed or aborted since the listing
-                    if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
-                        return newest
-                    raise
-                newest = max([newest] + [part["LastModified"].timestamp() for part in resp.get("Parts", [])])
-                if not resp.get("IsTruncated"):
-                    return newest
-                kwargs["PartNumberMarker"] = resp["NextPartNumberMarker"]
-
         async def listing() -> list[tuple[str, str, float]]:
             s3 = await self._client()
             prefix = f"{self.prefix}/" if self.prefix else ""
             found, kwargs = [], {"Bucket": self.bucket, "Prefix": prefix}
             while True:
                 resp = await s3.list_multipart_uploads(**kwargs)
-                for upload in resp.get("Uploads", []):
-                    active = max(upload["Initiated"].timestamp(),
-                                 await last_part(s3, upload["Key"], upload["UploadId"]))
-                    found.append((upload["Key"][len(prefix):], upload["UploadId"], active))
+                found += [(u["Key"][len(prefix):], u["UploadId"], u["Initiated"].timestamp())
+                          for u in resp.get("Uploads", [])]
                 if not resp.get("IsTruncated"):
                     return found
                 kwargs.update(KeyMarker=resp["NextKeyMarker"], UploadIdMarker=resp["NextUploadIdMarker"])
 
         return fsspec.asyn.sync(self.fs.loop, listing)
+
+    def last_part_uploaded(self, relpath: str, upload_id: str) -> float:
+        key = self._key(relpath)
+
+        async def newest_part() -> float:
+            s3 = await self._client()
+            newest, kwargs = 0.0, {"Bucket": self.bucket, "Key": key, "UploadId": upload_id}
+            while True:
+                try:
+                    resp = await self.retry.run(f"list parts of {key}", lambda: s3.list_parts(**kwargs))
+                except botocore.exceptions.ClientError as exc:
+                    code = exc.response.get("Error", {}).get("Code")
+                    if code == "NoSuchUpload":  # completed or aborted since it was listed
+                        return time.time()
+                    if code != "AccessDenied":
+                        raise
+                    logger.warning("cannot list the parts of s3://%s/%s (AccessDenied: grant "
+                                   "s3:ListMultipartUploadParts); its upload counts as old as its start",
+                                   self.bucket, key)
+                    return 0.0
+                newest = max([newest] + [part["LastModified"].timestamp() for part in resp.get("Parts", [])])
+                if not resp.get("IsTruncated"):
+                    return newest
+                kwargs = {**kwargs, "PartNumberMarker": resp["NextPartNumberMarker"]}
+
+        return fsspec.asyn.sync(self.fs.loop, newest_part)
 
     def abort_upload(self, relpath: str, upload_id: str) -> None:
         key = self._key(relpath)
