@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass
 
 from async_ckpt.errors import CorruptManifestError, UnsupportedManifestError
-from async_ckpt.layout import LATEST, MANIFEST, MARKER_DIR, deletion_mark, is_start_mark, manifest_path
+from async_ckpt.layout import (LATEST, MANIFEST, MARKER_DIR, deletion_mark, is_start_mark, manifest_path,
+                               validate_tag)
 from async_ckpt.manifest import Manifest
 from async_ckpt.storage.base import Storage
 
@@ -120,14 +121,20 @@ def started_here(storage: Storage, tag: str) -> bool:
     return newest_mtime(storage, tag) <= deleting_since
 
 
-def refuse_unsupported_latest(storage: Storage, name: str = LATEST, infos: list[TagInfo] | None = None) -> None:
+def refuse_unsupported_latest(storage: Storage, name: str = LATEST) -> None:
     """Raise :class:`UnsupportedManifestError` where ``name`` (``latest``) names a tag whose manifest is in
     another async_ckpt version's format: a load must not resume an older tag in place of what the run saved
-    last. ``infos``: the root's :func:`list_tags`, where the caller has it."""
+    last. One read of ``latest`` and one of that manifest; any other problem with either is the tag
+    choice's to report."""
     latest, _ = inspect_latest(storage, name)
-    for info in list_tags(storage) if infos is None else infos:
-        if info.unsupported and info.tag == latest:
-            raise UnsupportedManifestError(f"{name!r} at {storage.url} names {info.tag!r}: {info.error}")
+    if latest is None:
+        return
+    try:
+        read_manifest(storage, validate_tag(latest))
+    except UnsupportedManifestError as exc:
+        raise UnsupportedManifestError(f"{name!r} at {storage.url} names {latest!r}: {exc}") from None
+    except Exception:  # noqa: BLE001 - a missing, corrupt or misnamed tag: resolve()/choose_tag() say so
+        return
 
 
 def list_tags(storage: Storage) -> list[TagInfo]:

@@ -369,12 +369,12 @@ class AsyncCheckpointer:
         leader paused may find a tag gone; it then reads the URL's copy, or falls back."""
         self._drainer.pause_retention()  # type: ignore[union-attr]  # a local tier has its drainer
         def list_committed() -> tuple[dict, dict | None]:
-            """Each rank's node folder and rank 0 the URL; where no tag is named, what ``latest`` names in
-            either must be a tag this version reads, not an older tag in its place (checked on every rank,
-            which then raises that error itself)."""
-            if tag is None:
-                refuse_unsupported_latest(self._local)
-                refuse_unsupported_latest(self.storage)
+            """Each rank's node folder and rank 0 the URL (a node cut off from it may still load from its
+            own); where no tag is named, what ``latest`` names there must be a tag this version reads, not
+            an older tag in its place."""
+            tiers = [self._local] + ([self.storage] if self.rank == 0 else [])
+            for tier in tiers if tag is None else []:
+                refuse_unsupported_latest(tier)
             return committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None
 
         views = self._gather_checked("to list the committed tags", list_committed)

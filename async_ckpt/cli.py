@@ -2,7 +2,8 @@
 
 Every command that reads a root takes any fsspec URL; ``--endpoint`` and ``--storage-options``
 (JSON) reach S3-compatible stores. Data commands accept ``--json``. Exit code 0 means success,
-1 a failed check, 2 bad input or an unreachable destination.
+1 a failed check, 2 bad input, a tag this version cannot read (another version's manifest format)
+or an unreachable destination.
 """
 
 from __future__ import annotations

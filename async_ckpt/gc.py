@@ -96,6 +96,10 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     deleting = set(storage.list_dir(DELETION_MARKS))
     uploads = storage.list_incomplete_uploads()  # first: a save whose only activity is an upload is alive
     active: dict[str, float] = {}
+    aborted: set[str] = set()
+
+    def under(tag: str) -> list[tuple[str, str, float]]:
+        return [upload for upload in uploads if upload[0].split("/", 1)[0] == tag]
 
     def last_active(key: str, upload_id: str, started: float) -> float:
         """An upload's last activity: its start, or its newest part where it began before the cutoff
@@ -105,8 +109,12 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             active[upload_id] = max(started, newest_part)
         return active[upload_id]
 
-    def uploading(tag: str) -> float:
-        return max((last_active(*upload) for upload in uploads if upload[0].split("/", 1)[0] == tag), default=0.0)
+    def abort_if_old(key: str, upload_id: str, started: float) -> None:
+        if upload_id not in aborted and last_active(key, upload_id, started) < cutoff:
+            aborted.add(upload_id)
+            report.aborted_uploads.append(key)
+            if not dry_run:
+                storage.abort_upload(key, upload_id)
     ours, uncommitted = set(), set()  # ours: tag folders async_ckpt wrote: committed, corrupt or marked
     for info in list_tags(storage):
         if info.unsupported:
@@ -133,8 +141,11 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
                         storage.url, info.tag)
         else:
             with _holding_off_marks(storage, dry_run):
-                if max(newest_mtime(storage, info.tag), uploading(info.tag)) < cutoff:
+                last_upload = max((last_active(*upload) for upload in under(info.tag)), default=0.0)
+                if max(newest_mtime(storage, info.tag), last_upload) < cutoff:
                     (report.corrupt_tags if info.error else report.incomplete_tags).append(info.tag)
+                    for upload in under(info.tag):  # first: if this fails, the folder stays for the next run
+                        abort_if_old(*upload)
                     if not dry_run:
                         delete_tag(storage, info.tag)
     foreign = uncommitted - ours
@@ -152,10 +163,8 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     for key, upload_id, started in uploads:
         if key.split("/", 1)[0] not in ours:
             report.kept_uploads.append(key)
-        elif last_active(key, upload_id, started) < cutoff:
-            report.aborted_uploads.append(key)
-            if not dry_run:
-                storage.abort_upload(key, upload_id)
+        else:
+            abort_if_old(key, upload_id, started)
     if report.kept_uploads:
         logger.info("gc %s: %d multipart upload(s) outside async_ckpt's tag folders kept: %s", storage.url,
                     len(report.kept_uploads), report.kept_uploads)

@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ContextManager
 
-from async_ckpt.errors import MissingFileError, StorageError, UsageError, VerificationError
+from async_ckpt.errors import (CorruptManifestError, MissingFileError, StorageError, UnsupportedManifestError,
+                               UsageError, VerificationError)
 from async_ckpt.layout import (LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank,
                                installed_recovery_scripts, manifest_path, model_parallel_size)
 from async_ckpt.manifest import FileEntry, Manifest
@@ -152,6 +153,7 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
         keep = set(files_for_rank(paths, rank)) | {p for p in paths if not p.endswith(".pt")}
         paths = [p for p in paths if p in keep]
     entries = [manifest.entry(p) for p in paths]
+    _unlabel_another_save(dest, tag_dir, manifest)
     os.makedirs(tag_dir, exist_ok=True)
     total = sum(e.size for e in entries)
     bar = _ProgressBar(total, f"pull {manifest.tag}", show_progress)
@@ -181,11 +183,41 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
 
 def _stored_manifest(storage: Storage, manifest: Manifest) -> bytes:
     """The tag's manifest as stored, fields this version does not know included (a later version's, which
-    reads the pulled copy too), provided it is still the save whose files were pulled."""
-    raw = storage.read_bytes(manifest_path(manifest.tag))
+    reads the pulled copy too), provided it is still the save whose files were pulled; this version's
+    rendering of it where the tag is gone from storage since (deleted by retention, say: the files pulled
+    are the committed ones, verified)."""
+    try:
+        raw = storage.read_bytes(manifest_path(manifest.tag))
+    except FileNotFoundError:
+        logger.info("%s at %s was deleted after its files were pulled; its manifest is written as read before",
+                    manifest.tag, storage.url)
+        return manifest.to_json()
     if Manifest.from_json(raw).save_id != manifest.save_id:
         raise StorageError(f"tag {manifest.tag!r} at {storage.url} was saved again while it was pulled; pull again")
     return raw
+
+
+def _unlabel_another_save(dest: str, tag_dir: str, manifest: Manifest) -> None:
+    """An earlier pull's manifest of another save of this tag, and ``latest`` naming the tag, go before
+    that save's files are replaced: a pull cut short then leaves a folder nothing names as a checkpoint,
+    not the old save's labels on a mix of both saves' files."""
+    path = os.path.join(tag_dir, MANIFEST)
+    try:
+        with open(path, "rb") as fh:
+            held: Manifest | None = Manifest.from_json(fh.read())
+    except FileNotFoundError:
+        return
+    except (CorruptManifestError, UnsupportedManifestError):
+        held = None
+    if held is not None and held.save_id == manifest.save_id:
+        return
+    os.remove(path)
+    latest = os.path.join(dest, LATEST_UNIVERSAL if manifest.universal else LATEST)
+    with contextlib.suppress(FileNotFoundError):
+        with open(latest) as fh:
+            named = fh.read().strip()
+        if named == manifest.tag:
+            os.remove(latest)
 
 
 def _files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:

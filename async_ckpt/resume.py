@@ -55,7 +55,7 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
     latest_name = LATEST_UNIVERSAL if universal else LATEST
     latest, unreadable = inspect_latest(storage, latest_name)
     infos = list_tags(storage)
-    refuse_unsupported_latest(storage, latest_name, infos)
+    refuse_unsupported_latest(storage, latest_name)
     for info in infos:
         if info.error:
             logger.warning("skipping %s tag %s: %s%s", info.state, info.tag, info.error,

@@ -170,7 +170,34 @@ def test_gc_looks_into_the_parts_of_its_own_uploads_only(s3):
     storage = _PartsCounted(f"s3://{bucket}", options(s3.endpoint))
     report = collect_garbage(storage, grace_s=0)
     assert report.aborted_uploads == ["crashed/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
-    assert report.kept_uploads == ["videos/raw.mp4"] and "videos/raw.mp4" not in storage.asked
+    assert report.kept_uploads == ["videos/raw.mp4"]
+    assert storage.asked == ["crashed/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+class _PartsUnreadableUnder(S3Storage):
+    """S3 storage whose part listing fails (after its retries, say) for uploads under ``tag``."""
+
+    def __init__(self, *args, tag: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+    def last_part_uploaded(self, relpath, upload_id):
+        if relpath.startswith(f"{self.tag}/"):
+            raise OSError("injected: the part listing failed")
+        return super().last_part_uploaded(relpath, upload_id)
+
+
+def test_gc_aborts_a_dead_saves_uploads_before_it_deletes_its_folder(s3):
+    """gc fails part way (at tag 'b'): the tag it deleted before ('a') left no upload that nothing owns."""
+    bucket = s3.make_bucket("cli-abort-first")
+    client = s3.client()
+    for tag in ("a", "b"):
+        client.put_object(Bucket=bucket, Key=f"{tag}/.async_ckpt/started-rank0", Body=b"x")
+        client.create_multipart_upload(Bucket=bucket, Key=f"{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(OSError, match="injected"):
+        collect_garbage(_PartsUnreadableUnder(f"s3://{bucket}", options(s3.endpoint), tag="b"), grace_s=0)
+    assert [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket)["Uploads"]] == [
+        "b/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
 
 
 def test_an_upload_that_ended_since_it_was_listed_counts_as_active_now(s3):

@@ -26,7 +26,7 @@ from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.pull import pull
 from async_ckpt.resume import resolve
-from async_ckpt.storage import open_storage
+from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage.s3 import S3Storage
 from conftest import rank_group
 from s3_server import options
@@ -197,6 +197,41 @@ def test_pull_of_a_tag_saved_again_meanwhile_fails_rather_than_label_its_files_w
     with pytest.raises(StorageError, match="saved again while it was pulled"):
         pull(storage, pulled, str(tmp_path), show_progress=False)
     assert not (tmp_path / zero3["tag"] / MANIFEST).exists() and not (tmp_path / "latest").exists()
+
+
+class _ManifestGoneAfterwards(LocalStorage):
+    """A root whose tag was deleted (by retention, say) once its files were pulled."""
+
+    def read_bytes(self, relpath):
+        if relpath.endswith(MANIFEST):
+            raise FileNotFoundError(relpath)
+        return super().read_bytes(relpath)
+
+
+def test_pull_of_a_tag_deleted_after_its_files_were_pulled_completes(zero3, tmp_path):
+    manifest = resolve(open_storage(str(zero3["local"])), zero3["tag"])
+    pull(_ManifestGoneAfterwards(str(zero3["local"])), manifest, str(tmp_path), show_progress=False)
+    assert Manifest.from_json((tmp_path / zero3["tag"] / MANIFEST).read_bytes()) == manifest
+    assert (tmp_path / "latest").read_text() == zero3["tag"]
+
+
+def test_a_pull_of_another_save_cut_short_leaves_no_label_of_the_earlier_one(zero3, capsys, tmp_path):
+    """The folder holds a whole pull of one save of the tag; the tag was saved again, and the pull of the
+    new save fails half way: neither the old manifest nor 'latest' names the mix of both saves' files."""
+    tag = zero3["tag"]
+    pull(open_storage(str(zero3["local"])), resolve(open_storage(str(zero3["local"])), tag), str(tmp_path / "dest"),
+         show_progress=False)
+    root = tmp_path / "root"
+    shutil.copytree(zero3["local"] / tag, root / tag)
+    stored = root / tag / MANIFEST
+    saved_again = json.loads(stored.read_text())
+    for entry in saved_again["files"]:  # a shard of the new save that differs from the old one's, stored corrupt
+        if entry["path"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt":
+            entry["crc32"] = "00000000"
+    stored.write_text(json.dumps({**saved_again, "save_id": "the-next-save"}))
+    code, _, err = run_cli(capsys, "pull", str(root), "--dest", str(tmp_path / "dest"), "--tag", tag)
+    assert code == 2 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in err
+    assert not (tmp_path / "dest" / tag / MANIFEST).exists() and not (tmp_path / "dest" / "latest").exists()
 
 
 def test_pull_of_a_corrupt_object_fails_verification_and_publishes_nothing(zero3, s3, capsys, tmp_path):

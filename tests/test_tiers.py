@@ -246,11 +246,18 @@ def test_a_tag_unreadable_in_every_tier_is_refused_without_fallback(fell_back):
         assert kind == "VerificationError" and "pass fallback=True" in message
 
 
-def test_a_latest_in_another_versions_format_is_refused_on_every_rank_not_passed_over(fell_back):
+def test_a_latest_in_another_versions_format_at_the_url_is_refused_not_passed_over(fell_back):
+    """Rank 0 reads the URL's 'latest' and raises; every other rank learns it from rank 0."""
+    kind, message = fell_back[0]["latest_unsupported"]
+    assert kind == "UnsupportedManifestError" and "'latest'" in message and "'v2'" in message and "upgrade" in message
+    kind, message = fell_back[1]["latest_unsupported"]
+    assert kind == "StorageError" and "rank 0" in message and "UnsupportedManifestError" in message
+
+
+def test_a_latest_in_another_versions_format_in_a_node_folder_is_refused_there(fell_back):
     for out in fell_back:
-        kind, message = out["latest_unsupported"]
-        assert kind == "UnsupportedManifestError" and "'latest'" in message and "'v2'" in message
-        assert "upgrade" in message
+        kind, message = out["node_latest_unsupported"]
+        assert kind == "UnsupportedManifestError" and "node" in message and "'v2'" in message
 
 
 def test_a_named_tag_loads_while_latest_is_in_another_versions_format(fell_back):

@@ -187,7 +187,9 @@ def fallback_in_tiers(durable: str, work: str) -> dict:
     """Tags 'older', 'newer' and 'newest' saved in tiers and drained. A file of 'newer' is corrupted in both
     tiers: a load of it is refused without fallback, and with fallback takes 'older' (not 'newest'); the
     default load still takes 'newest'. Then 'newest' is corrupted too: the default load falls back past
-    both to 'older'; with 'newer' repaired, to 'newer'."""
+    both to 'older'; with 'newer' repaired, to 'newer'. Last, a later async_ckpt version's 'v2' (a manifest
+    format of its own) is what 'latest' names, at the URL and then in each node folder: the default load
+    is refused, a load naming 'older' is not."""
     tokens = workload.token_stream()
     engine = workload.make_engine(STAGE, "fp32", seed=11)
     optim = f"zero_pp_rank_{_rank()}_mp_rank_00_optim_states.pt"
@@ -211,17 +213,29 @@ def fallback_in_tiers(durable: str, work: str) -> dict:
         corrupt("newer")  # flipped back: whole again
         out["newer_repaired"] = ckpt.load(fallback=True)[0]
         if _rank() == 0:  # a later async_ckpt version saved 'v2' at the URL in a format of its own
-            with open(os.path.join(durable, "newest", MANIFEST)) as fh:
-                manifest = {**json.load(fh), "tag": "v2", "format": "async_ckpt/2"}
-            os.makedirs(os.path.join(durable, "v2"))
-            with open(os.path.join(durable, "v2", MANIFEST), "w") as fh:
-                json.dump(manifest, fh)
-            with open(os.path.join(durable, "latest"), "w") as fh:
-                fh.write("v2")
+            _save_of_a_later_version(durable)
         dist.barrier()
         out["latest_unsupported"] = _outcome(lambda: ckpt.load(fallback=True))
         out["named_past_unsupported"] = ckpt.load(tag="older")[0]
+        dist.barrier()
+        if _rank() == 0:
+            with open(os.path.join(durable, "latest"), "w") as fh:
+                fh.write("newest")
+        _save_of_a_later_version(node_folder(work, _rank()))  # each node's own
+        dist.barrier()
+        out["node_latest_unsupported"] = _outcome(lambda: ckpt.load(fallback=True))
     return out
+
+
+def _save_of_a_later_version(root: str) -> None:
+    """'v2' in ``root``, its manifest in a format of a later async_ckpt version, and 'latest' naming it."""
+    with open(os.path.join(root, "newest", MANIFEST)) as fh:
+        manifest = {**json.load(fh), "tag": "v2", "format": "async_ckpt/2"}
+    os.makedirs(os.path.join(root, "v2"))
+    with open(os.path.join(root, "v2", MANIFEST), "w") as fh:
+        json.dump(manifest, fh)
+    with open(os.path.join(root, "latest"), "w") as fh:
+        fh.write("v2")
 
 
 def load_then_save_in_tiers(durable: str, work: str) -> dict:

@@ -209,9 +209,9 @@ class Storage(abc.ABC):
         return []
 
     def last_part_uploaded(self, relpath: str, upload_id: str) -> float:
-        """When the newest part of an unfinished upload was uploaded (Unix time; 0.0 if none, or where the
-        store will not tell; now if the upload ended since it was listed): one still uploading parts is
-        alive however long ago it began."""
+        """When the newest part of an unfinished upload was uploaded (Unix time; 0.0 if none; now where the
+        store will not tell, or the upload ended since it was listed): one still uploading parts is alive
+        however long ago it began."""
         return 0.0
 
     def abort_upload(self, relpath: str, upload_id: str) -> None:

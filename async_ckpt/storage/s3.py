@@ -440,10 +440,10 @@ class S3Storage(FsspecStorage):
                         return time.time()
                     if code != "AccessDenied":
                         raise
-                    logger.warning("cannot list the parts of s3://%s/%s (AccessDenied: grant "
-                                   "s3:ListMultipartUploadParts); its upload counts as old as its start",
+                    logger.warning("cannot list the parts of s3://%s/%s (AccessDenied): it may still be uploading, "
+                                   "so it counts as active now (grant s3:ListMultipartUploadParts to let gc tell)",
                                    self.bucket, key)
-                    return 0.0
+                    return time.time()
                 newest = max([newest] + [part["LastModified"].timestamp() for part in resp.get("Parts", [])])
                 if not resp.get("IsTruncated"):
                     return newest
