@@ -285,7 +285,8 @@ class AsyncCheckpointer:
         self._ensure_open()
         if self._local is not None and not self._loads_universal():
             self._await_handles(self.config.effective_wait_timeout_s, local_only=True)  # drains go on meanwhile
-            self._surface_errors()
+            # a drain still running may have failed on some ranks only so far: every rank raises, or none
+            self._surface_errors(self._gather(self._failure_to_report()))
             return self._load_tiered(None if tag is None else validate_tag(tag), fallback=fallback,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
@@ -771,9 +772,18 @@ class AsyncCheckpointer:
 
     def _drains_to_resume(self) -> list[tuple[str, str]]:
         """Rank 0: ``(fresh drain id, manifest)`` of each tag its node folder holds committed but the URL
-        does not (a drain that failed or was cut short), oldest first."""
-        self._drain_failed = False
+        does not (a drain that failed or was cut short), oldest first. A tag saved by another number of
+        ranks is left out: this job's ranks do not hold all of its files, and a drain would commit at the
+        URL a tag that lacks the others' shards."""
         pending = undrained(self._local, self.storage, self._drainer.in_flight())
+        self._drain_failed = False  # only once listed: a listing that fails leaves the retry due
+        other_size = [m for m in pending if m.world_size != self.world_size]
+        for manifest in other_size:
+            logger.error("tag %s in %s was saved by %d rank(s); this job runs %d, so it cannot drain it to %s: it "
+                         "stays committed in the node folders only. Resume on %d rank(s) to drain it, or leave it",
+                         manifest.tag, self._local.url, manifest.world_size, self.world_size, self.storage.url,
+                         manifest.world_size)
+        pending = [m for m in pending if m.world_size == self.world_size]
         if pending:
             logger.warning("resuming the drain of %d tag(s) committed locally but not at %s: %s", len(pending),
                            self.storage.url, ", ".join(m.tag for m in pending))

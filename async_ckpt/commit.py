@@ -192,9 +192,10 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
 
 
 def _commit_node_tier(job: SaveJob, manifest: bytes) -> list[str]:
-    """Commit the tag on this node's own local tier, which rank 0 cannot see: the manifest rank 0
-    published, then ``latest`` and DeepSpeed's recovery scripts. Rank 0's commit holds regardless:
-    if this fails, this node's ranks restart from the durable tier instead."""
+    """Commit the tag on this node's own local tier, which rank 0 cannot see: DeepSpeed's recovery
+    scripts, the manifest rank 0 published, then ``latest``. Rank 0's commit holds regardless: if this
+    fails before the manifest, this node's ranks restart from the durable tier; after it, from this
+    tier too (``load()`` goes by manifests, not by ``latest``)."""
     try:
         _write_recovery_scripts(job.storage)
         job.storage.write_bytes(manifest_path(job.tag), manifest)
@@ -202,7 +203,7 @@ def _commit_node_tier(job: SaveJob, manifest: bytes) -> list[str]:
             job.storage.write_bytes(LATEST, job.tag.encode())
     except Exception as exc:
         warning = (f"rank {job.rank} could not commit it on its node's tier {job.storage.url} ({type(exc).__name__}: "
-                   f"{exc}); that node's ranks restart from the durable tier")
+                   f"{exc}); that node's ranks restart from the durable tier unless its manifest is there")
         logger.warning("tag %s is committed, but %s", job.tag, warning)
         return [warning]
     return []

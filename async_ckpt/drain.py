@@ -8,7 +8,8 @@ file that rotted is never made durable), and then commits the tag at the URL exa
 commits (:func:`async_ckpt.commit.commit`, through the job's c10d store under keys of its own): the
 manifest, then ``latest``, then ``keep_last`` retention. A drain that fails or is cut short leaves the
 URL's ``latest`` and tags as they were; the local tier keeps the tag, and the next ``save()``,
-``close()`` or ``wrap()`` drains it again (:func:`async_ckpt.tiers.undrained`).
+``close()`` or ``wrap()`` drains it again (:func:`async_ckpt.tiers.undrained`), unless a later tag
+reached the URL first: that one supersedes it, and it stays on the local tier only.
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ class Drainer:
     def _fail(self, job: DrainJob, error: str) -> None:
         failure = SaveFailedError(f"tag {job.tag!r} is committed on the local tier but its drain to "
                                   f"{self._target.durable.url} failed: {error}. The durable tier's tags and 'latest' "
-                                  "are unchanged; the next save(), close() or wrap() drains it again", tag=job.tag)
+                                  "are unchanged; the next save(), close() or wrap() drains it again, unless a later "
+                                  "tag reaches the URL first (it then stays on the local tier only)", tag=job.tag)
         logger.error("rank %d: %s", self._rank, failure)
         with self._lock:
             self._failed.append(job)

@@ -23,6 +23,7 @@ from async_ckpt.launch import RankError
 from async_ckpt.storage import open_storage
 from async_ckpt.storage.local import file_lock
 from async_ckpt.tiers import choose_tag, holds_chosen_save, prune_local, readable_saves, undrained
+from conftest import rank_group
 from manifests import commit_by_hand
 from s3_server import FaultProxy, options
 
@@ -292,6 +293,33 @@ def failed_wrap(request, ranks, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"failed-wrap-{where}")
     out = ranks.run(tier_tasks.wrap_fails_on_one_rank, str(work / "durable"), str(work), where, timeout_s=240)
     return {"failing": failing, "ranks": out}
+
+
+def test_a_load_while_a_drain_failed_on_one_rank_only_raises_on_every_rank(ranks, tmp_path):
+    """Before, rank 1 raised its drain's failure at once while rank 0 went on into the load's collective."""
+    out = ranks.run(tier_tasks.load_while_a_drain_fails_on_one_rank, str(tmp_path / "durable"), str(tmp_path),
+                    timeout_s=240)
+    assert out[0]["drain_still_running"]
+    for rank in out:
+        kind, message = rank["load"]
+        assert kind == "SaveFailedError" and "'first'" in message
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    yield from rank_group(1)
+
+
+def test_a_tag_left_undrained_by_more_ranks_is_not_drained_without_their_files(ranks, one_rank, tmp_path):
+    """Two ranks committed 'first' on their nodes and could not drain it; a job of one rank finds it in
+    node 0's folder. Its drain would commit at the URL a tag without rank 1's shard, and move 'latest'."""
+    durable = tmp_path / "durable"
+    assert ranks.run(tier_tasks.drain_fails_for_good, str(durable), str(tmp_path)) == [
+        {"local_committed": True, "drained": False}] * 2
+    [out] = one_rank.run(tier_tasks.resume_on_fewer_ranks, str(durable), str(tmp_path))
+    assert "first" not in out["durable"] and "latest" not in out["durable"]
+    [error] = out["errors"]
+    assert "saved by 2 rank(s); this job runs 1" in error and "node folders only" in error
 
 
 def test_a_wrap_that_fails_on_one_rank_raises_on_every_rank_instead_of_leaving_the_others_waiting(failed_wrap):

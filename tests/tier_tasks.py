@@ -160,6 +160,56 @@ def drain_fails_then_heals(durable: str, work: str, heal_by: str) -> dict:
     return out
 
 
+def drain_fails_for_good(durable: str, work: str) -> dict:
+    """Rank 1's writes to the durable tier keep failing: 'first' is committed in both node folders and
+    never at the URL (its drain, and close()'s retry, fail)."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    options = {"fail_ranks": [1], "skip_instance_cache": True}
+    ckpt = async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
+                           local_tier=node_folder(work, _rank()), on_error="warn")
+    handle = ckpt.save(tag="first")
+    out = {"local_committed": handle.wait_local(120), "drained": handle.exception(timeout=120) is None}
+    ckpt.close()
+    return out
+
+
+def load_while_a_drain_fails_on_one_rank(durable: str, work: str) -> dict:
+    """Rank 1's drain of 'first' fails at once; rank 0's upload is held at a gate, still running, when both
+    call load() with on_error="raise"."""
+    from faulty_fs import register
+
+    register()
+    gate = os.path.join(work, "gate")
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    options = {"fail_ranks": [1], "gate": gate, "gate_ranks": [0], "skip_instance_cache": True}
+    ckpt = async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
+                           local_tier=node_folder(work, _rank()), on_error="raise")
+    handle = ckpt.save(tag="first")
+    handle.wait_local(120)
+    if _rank() == 1:
+        handle.exception(timeout=120)  # its drain failed
+    dist.barrier()
+    out = {"load": _outcome(ckpt.load), "drain_still_running": not handle.done()}
+    if _rank() == 0:
+        open(gate, "w").close()
+    dist.barrier()
+    with contextlib.suppress(Exception):
+        ckpt.close()
+    return out
+
+
+def resume_on_fewer_ranks(durable: str, work: str) -> dict:
+    """One rank, on node 0's folder, after a job of two left 'first' committed there but not at the URL."""
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    with async_ckpt_log() as lines:
+        async_ckpt.wrap(engine, durable, local_tier=node_folder(work, 0)).close()
+    return {"durable": sorted(os.listdir(durable)) if os.path.isdir(durable) else [],
+            "errors": [line for line in lines if "cannot drain" in line]}
+
+
 def wrap_fails_on_one_rank(durable: str, work: str, where: str) -> dict:
     """wrap() fails on one rank only: rank 1's local tier lies under a plain file (``where="local_tier"``,
     before any thread starts), or rank 0's listing of the durable tier fails (``"drain_listing"``: the
