@@ -317,7 +317,7 @@ def test_a_tag_left_undrained_by_more_ranks_is_not_drained_without_their_files(r
     assert ranks.run(tier_tasks.drain_fails_for_good, str(durable), str(tmp_path)) == [
         {"local_committed": True, "drained": False}] * 2
     [out] = one_rank.run(tier_tasks.resume_on_fewer_ranks, str(durable), str(tmp_path))
-    assert "first" not in out["durable"] and "latest" not in out["durable"]
+    assert not out["committed_at_url"] and not out["latest_at_url"]
     [error] = out["errors"]
     assert "saved by 2 rank(s); this job runs 1" in error and "node folders only" in error
 

@@ -206,7 +206,8 @@ def resume_on_fewer_ranks(durable: str, work: str) -> dict:
     engine = workload.make_engine(STAGE, "fp32", seed=11)
     with async_ckpt_log() as lines:
         async_ckpt.wrap(engine, durable, local_tier=node_folder(work, 0)).close()
-    return {"durable": sorted(os.listdir(durable)) if os.path.isdir(durable) else [],
+    return {"committed_at_url": read_manifest(open_storage(durable), "first") is not None,
+            "latest_at_url": os.path.exists(os.path.join(durable, "latest")),
             "errors": [line for line in lines if "cannot drain" in line]}
 
 
