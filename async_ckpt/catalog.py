@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from async_ckpt.errors import CorruptManifestError, UnsupportedManifestError
+from async_ckpt.errors import CorruptManifestError, InvalidTagError, UnsupportedManifestError
 from async_ckpt.layout import (LATEST, MANIFEST, MARKER_DIR, deletion_mark, is_start_mark, manifest_path,
                                validate_tag)
 from async_ckpt.manifest import Manifest
@@ -124,8 +124,8 @@ def started_here(storage: Storage, tag: str) -> bool:
 def refuse_unsupported_latest(storage: Storage, name: str = LATEST) -> None:
     """Raise :class:`UnsupportedManifestError` where ``name`` (``latest``) names a tag whose manifest is in
     another async_ckpt version's format: a load must not resume an older tag in place of what the run saved
-    last. One read of ``latest`` and one of that manifest; any other problem with either is the tag
-    choice's to report."""
+    last. One read of ``latest`` and one of that manifest; a missing, corrupt or misnamed tag is the tag
+    choice's to report, and a failing read is raised (it must not let an older tag be taken instead)."""
     latest, _ = inspect_latest(storage, name)
     if latest is None:
         return
@@ -133,7 +133,7 @@ def refuse_unsupported_latest(storage: Storage, name: str = LATEST) -> None:
         read_manifest(storage, validate_tag(latest))
     except UnsupportedManifestError as exc:
         raise UnsupportedManifestError(f"{name!r} at {storage.url} names {latest!r}: {exc}") from None
-    except Exception:  # noqa: BLE001 - a missing, corrupt or misnamed tag: resolve()/choose_tag() say so
+    except (CorruptManifestError, InvalidTagError):  # resolve() and choose_tag() say so
         return
 
 

@@ -780,7 +780,7 @@ class AsyncCheckpointer:
         other_size = [m for m in pending if m.world_size != self.world_size]
         for manifest in other_size:
             logger.error("tag %s in %s was saved by %d rank(s); this job runs %d, so it cannot drain it to %s: it "
-                         "stays committed in the node folders only. Resume on %d rank(s) to drain it, or leave it",
+                         "stays committed in the node folders only. Resume on %d rank(s) to drain it, or load another tag by name",
                          manifest.tag, self._local.url, manifest.world_size, self.world_size, self.storage.url,
                          manifest.world_size)
         pending = [m for m in pending if m.world_size == self.world_size]
@@ -1117,10 +1117,14 @@ class AsyncCheckpointer:
 
     def _surface_errors(self, reported: list[tuple[str | None, str] | None] | None = None) -> None:
         """Raise (``on_error="raise"``) or log the failures this rank has not reported yet. ``reported``:
-        what every rank would raise (from :meth:`_agree`'s collective), so that all raise together."""
+        what every rank would raise, gathered in a collective, so that all raise together; where no rank
+        had one then, a failure recorded since waits for the next check (raising it now would raise on
+        this rank alone)."""
         with self._errors_lock:
-            pending, self._unreported = self._unreported, []
             peer = next((r for r in reported or [] if r is not None), None)
+            if reported is not None and peer is None and self.config.on_error == "raise":
+                return
+            pending, self._unreported = self._unreported, []
             if not pending and peer is not None:
                 self._raised_for_peers.add(peer[0])
         if self.config.on_error == "raise" and (pending or peer is not None):

@@ -198,26 +198,26 @@ def _stored_manifest(storage: Storage, manifest: Manifest) -> bytes:
 
 
 def _unlabel_another_save(dest: str, tag_dir: str, manifest: Manifest) -> None:
-    """An earlier pull's manifest of another save of this tag, and ``latest`` naming the tag, go before
-    that save's files are replaced: a pull cut short then leaves a folder nothing names as a checkpoint,
-    not the old save's labels on a mix of both saves' files."""
+    """Unless the tag folder holds a pull of this very save, ``latest`` naming the tag and then an earlier
+    pull's manifest of another save go before any file is replaced (also in a stock DeepSpeed root, which
+    has no manifest): a pull cut short then leaves a folder nothing names as a checkpoint, not the old
+    labels on a mix of two saves' files."""
     path = os.path.join(tag_dir, MANIFEST)
     try:
         with open(path, "rb") as fh:
             held: Manifest | None = Manifest.from_json(fh.read())
-    except FileNotFoundError:
-        return
-    except (CorruptManifestError, UnsupportedManifestError):
+    except (FileNotFoundError, CorruptManifestError, UnsupportedManifestError):
         held = None
     if held is not None and held.save_id == manifest.save_id:
         return
-    os.remove(path)
     latest = os.path.join(dest, LATEST_UNIVERSAL if manifest.universal else LATEST)
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError):  # first: a pull killed between the two leaves neither
         with open(latest) as fh:
             named = fh.read().strip()
         if named == manifest.tag:
             os.remove(latest)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def _files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:

@@ -12,15 +12,18 @@ import os
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 import commit_tasks
 from manifests import commit_by_hand
-from async_ckpt import ConfigError, CorruptManifestError, UnsupportedManifestError, WaitTimeoutError, layout
+from async_ckpt import (ConfigError, CorruptManifestError, SaveFailedError, UnsupportedManifestError, WaitTimeoutError,
+                        layout)
 from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
 from async_ckpt.catalog import read_latest, read_manifest
+from async_ckpt.checkpointer import AsyncCheckpointer
 from async_ckpt.cli import main
 from async_ckpt.commit import add_marks_lock, apply_retention, mark_started
 from async_ckpt.config import CheckpointConfig
@@ -258,6 +261,29 @@ def test_resume_refuses_a_latest_in_another_versions_format_rather_than_take_an_
         resolve(storage, None)
 
 
+class _SecondReadFails(LocalStorage):
+    """A root whose manifest of ``tag`` reads once, then the store fails (a dropped connection)."""
+
+    def __init__(self, root: str, tag: str) -> None:
+        super().__init__(root)
+        self.path, self.reads = f"{tag}/{MANIFEST}", 0
+
+    def read_bytes(self, relpath):
+        if relpath == self.path:
+            self.reads += 1
+            if self.reads > 1:
+                raise OSError("connection reset (injected)")
+        return super().read_bytes(relpath)
+
+
+def test_resume_raises_a_failing_read_of_latests_manifest_rather_than_take_an_older_tag(tmp_path):
+    commit_by_hand(open_storage(str(tmp_path)), "older", 1)
+    _rewrite_manifest(tmp_path, "newer", format="async_ckpt/2")
+    (tmp_path / "latest").write_text("newer")
+    with pytest.raises(OSError, match="injected"):
+        resolve(_SecondReadFails(str(tmp_path), "newer"), None)
+
+
 def test_ls_shows_a_tag_in_another_versions_format_as_unsupported(tmp_path, capsys):
     _rewrite_manifest(tmp_path, "t", format="async_ckpt/2")
     assert main(["ls", str(tmp_path)]) == 0
@@ -455,6 +481,29 @@ def test_gc_adds_no_marks_lock_to_a_local_url(tmp_path):
     _folder(tmp_path, "dead", start_mark=True, age_s=7200)
     assert collect_garbage(open_storage(str(tmp_path)), grace_s=3600).incomplete_tags == ["dead"]
     assert not (tmp_path / layout.MARKS_LOCK).exists()
+
+
+# ---------------------------------------------------------------- failures raised together
+
+
+def _checkpointer_state(*unreported: SaveFailedError) -> SimpleNamespace:
+    """What AsyncCheckpointer._surface_errors reads of its checkpointer (on_error="raise")."""
+    return SimpleNamespace(_errors_lock=threading.Lock(), _unreported=list(unreported), _raised_for_peers=set(),
+                           config=SimpleNamespace(on_error="raise"))
+
+
+def test_a_failure_recorded_after_the_ranks_gathered_none_waits_for_the_next_check():
+    """The ranks gathered their unreported failures and none had one; this rank's drain failed since. Raised
+    now it would be raised on this rank alone, the others going on into the next collective."""
+    state = _checkpointer_state(SaveFailedError("the drain of 'first' failed", tag="first"))
+    AsyncCheckpointer._surface_errors(state, [None, None])
+    with pytest.raises(SaveFailedError, match="'first'"):
+        AsyncCheckpointer._surface_errors(state)
+
+
+def test_a_failure_another_rank_reported_is_raised_here_too():
+    with pytest.raises(SaveFailedError, match="rank 1's drain"):
+        AsyncCheckpointer._surface_errors(_checkpointer_state(), [None, ("first", "rank 1's drain of 'first' failed")])
 
 
 # ---------------------------------------------------------------- configuration types

@@ -234,6 +234,24 @@ def test_a_pull_of_another_save_cut_short_leaves_no_label_of_the_earlier_one(zer
     assert not (tmp_path / "dest" / tag / MANIFEST).exists() and not (tmp_path / "dest" / "latest").exists()
 
 
+def test_a_pull_cut_short_into_a_stock_root_of_the_tag_leaves_latest_naming_nothing(zero3, capsys, tmp_path):
+    """The dest is a stock DeepSpeed root holding the tag (its files and 'latest', no manifest); the pull
+    of another save of the tag fails half way."""
+    tag = zero3["tag"]
+    shutil.copytree(zero3["local"] / tag, tmp_path / "dest" / tag, ignore=shutil.ignore_patterns(MANIFEST))
+    (tmp_path / "dest" / "latest").write_text(tag)
+    root = tmp_path / "root"
+    shutil.copytree(zero3["local"] / tag, root / tag)
+    stored = root / tag / MANIFEST
+    saved_again = json.loads(stored.read_text())
+    for entry in saved_again["files"]:
+        if entry["path"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt":
+            entry["crc32"] = "00000000"
+    stored.write_text(json.dumps({**saved_again, "save_id": "the-next-save"}))
+    code, _, _ = run_cli(capsys, "pull", str(root), "--dest", str(tmp_path / "dest"), "--tag", tag)
+    assert code == 2 and not (tmp_path / "dest" / "latest").exists()
+
+
 def test_pull_of_a_corrupt_object_fails_verification_and_publishes_nothing(zero3, s3, capsys, tmp_path):
     client = s3.client()
     bucket = s3.make_bucket("interop-corrupt")
