@@ -780,7 +780,8 @@ class AsyncCheckpointer:
         other_size = [m for m in pending if m.world_size != self.world_size]
         for manifest in other_size:
             logger.error("tag %s in %s was saved by %d rank(s); this job runs %d, so it cannot drain it to %s: it "
-                         "stays committed in the node folders only. Resume on %d rank(s) to drain it, or load another tag by name",
+                         "stays committed in the node folders only. Resume on %d rank(s) to drain it, or load "
+                         "another tag by name",
                          manifest.tag, self._local.url, manifest.world_size, self.world_size, self.storage.url,
                          manifest.world_size)
         pending = [m for m in pending if m.world_size == self.world_size]
