@@ -148,6 +148,7 @@ class AsyncCheckpointer:
         self._writer: BackgroundWriter | None = None
         self._node_ranks: tuple[int, ...] = ()  # with a local tier: the ranks sharing this rank's folder
         self._drain_failed = False
+        self._drains_failed: set[tuple[str, str]] = set()  # (tag, save id) whose drain failure was recorded
         self._lower_rank_writes_model_states: dict[str, bool] = {}  # by storage URL; see _model_states_writer
         self._previous_engine = engine.checkpoint_engine
         try:
@@ -767,8 +768,17 @@ class AsyncCheckpointer:
                                       started=job.started, error=error))
 
     def _record_drain_failure(self, error: SaveFailedError, job: DrainJob) -> None:
-        self._record_failure(error)
+        """A drain failed: retried at the next save. Its first failure is reported (raised there with
+        ``on_error="raise"``); a retry's is only logged, so that a tag that can never be drained (its files
+        lost with a node) does not make every later save raise: a later tag that drains supersedes it."""
         self._drain_failed = True
+        with self._errors_lock:
+            first = (job.tag, job.manifest.save_id) not in self._drains_failed
+            self._drains_failed.add((job.tag, job.manifest.save_id))
+            if not first:
+                self._errors.append(error)
+        if first:
+            self._record_failure(error)
 
     def _drains_to_resume(self) -> list[tuple[str, str]]:
         """Rank 0: ``(fresh drain id, manifest)`` of each tag its node folder holds committed but the URL

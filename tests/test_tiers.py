@@ -305,6 +305,15 @@ def test_a_load_while_a_drain_failed_on_one_rank_only_raises_on_every_rank(ranks
         assert kind == "SaveFailedError" and "'first'" in message
 
 
+def test_a_drain_that_keeps_failing_is_raised_once_not_at_every_later_save(ranks, tmp_path):
+    out = ranks.run(tier_tasks.saves_past_a_drain_that_keeps_failing, str(tmp_path / "durable"), str(tmp_path),
+                    timeout_s=240)
+    for rank in out:
+        kind, message = rank["second"]
+        assert kind == "SaveFailedError" and "'first'" in message
+        assert rank["wait_after_the_retry"] is None and rank["third_local"] == "third"
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     yield from rank_group(1)

@@ -176,6 +176,27 @@ def drain_fails_for_good(durable: str, work: str) -> dict:
     return out
 
 
+def saves_past_a_drain_that_keeps_failing(durable: str, work: str) -> dict:
+    """on_error="raise"; rank 1's writes to the URL keep failing, so 'first' can never be drained. The next
+    save raises that failure (and queues the drain again, which fails again); the saves after it go on."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    options = {"fail_ranks": [1], "skip_instance_cache": True}
+    ckpt = async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
+                           local_tier=node_folder(work, _rank()), on_error="raise")
+    handle = ckpt.save(tag="first")
+    handle.exception(timeout=120)
+    out = {"second": _outcome(lambda: ckpt.save(tag="second"))}
+    out["wait_after_the_retry"] = _outcome(ckpt.wait)
+    third = ckpt.save(tag="third")
+    out["third_local"] = third.wait_local(120) and third.local_result().tag
+    with contextlib.suppress(Exception):
+        ckpt.close()
+    return out
+
+
 def load_while_a_drain_fails_on_one_rank(durable: str, work: str) -> dict:
     """Rank 1's drain of 'first' fails at once; rank 0's upload is held at a gate, still running, when both
     call load() with on_error="raise"."""
