@@ -160,16 +160,21 @@ def drain_fails_then_heals(durable: str, work: str, heal_by: str) -> dict:
     return out
 
 
-def drain_fails_for_good(durable: str, work: str) -> dict:
-    """Rank 1's writes to the durable tier keep failing: 'first' is committed in both node folders and
-    never at the URL (its drain, and close()'s retry, fail)."""
+def _wrap_where_rank_1_cannot_drain(durable: str, work: str, on_error: str):
+    """A fresh engine wrapped with a local tier and a durable tier to which rank 1's writes always fail."""
     from faulty_fs import register
 
     register()
     engine = workload.make_engine(STAGE, "fp32", seed=11)
     options = {"fail_ranks": [1], "skip_instance_cache": True}
-    ckpt = async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
-                           local_tier=node_folder(work, _rank()), on_error="warn")
+    return async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
+                           local_tier=node_folder(work, _rank()), on_error=on_error)
+
+
+def drain_fails_for_good(durable: str, work: str) -> dict:
+    """Rank 1's writes to the durable tier keep failing: 'first' is committed in both node folders and
+    never at the URL (its drain, and close()'s retry, fail)."""
+    ckpt = _wrap_where_rank_1_cannot_drain(durable, work, on_error="warn")
     handle = ckpt.save(tag="first")
     out = {"local_committed": handle.wait_local(120), "drained": handle.exception(timeout=120) is None}
     ckpt.close()
@@ -179,13 +184,7 @@ def drain_fails_for_good(durable: str, work: str) -> dict:
 def saves_past_a_drain_that_keeps_failing(durable: str, work: str) -> dict:
     """on_error="raise"; rank 1's writes to the URL keep failing, so 'first' can never be drained. The next
     save raises that failure (and queues the drain again, which fails again); the saves after it go on."""
-    from faulty_fs import register
-
-    register()
-    engine = workload.make_engine(STAGE, "fp32", seed=11)
-    options = {"fail_ranks": [1], "skip_instance_cache": True}
-    ckpt = async_ckpt.wrap(engine, f"faulty://{durable}", storage_options=options,
-                           local_tier=node_folder(work, _rank()), on_error="raise")
+    ckpt = _wrap_where_rank_1_cannot_drain(durable, work, on_error="raise")
     handle = ckpt.save(tag="first")
     handle.exception(timeout=120)
     out = {"second": _outcome(lambda: ckpt.save(tag="second"))}
