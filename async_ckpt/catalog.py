@@ -72,17 +72,21 @@ def holds_files(storage: Storage, relpath: str) -> bool:
     return next(storage.iter_files(relpath), None) is not None
 
 
+def modified_or_now(storage: Storage, relpath: str) -> float:
+    """A listed file's modification time; now if it is gone since the listing (renamed or removed: the
+    folder is being written to, or the deletion it marked has just ended). Never old."""
+    try:
+        return storage.modified(relpath)
+    except FileNotFoundError:
+        return time.time()
+
+
 def newest_mtime(storage: Storage, relpath: str) -> float:
     """The newest time of anything under ``relpath``. A folder without files yet (a save that has
     just begun) counts with its own time, or as new where the store keeps none: never as old. So does
     one where a listed file is gone by the time it is looked at (a save renamed or removed it): a
     folder being written to is new."""
-    times = []
-    for path in storage.iter_files(relpath):
-        try:
-            times.append(storage.modified(path))
-        except FileNotFoundError:
-            return time.time()
+    times = [modified_or_now(storage, path) for path in storage.iter_files(relpath)]
     if times:
         return max(times)
     try:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import ContextManager
 
-from async_ckpt.catalog import inspect_latest, list_tags, newest_mtime, started_here
+from async_ckpt.catalog import inspect_latest, list_tags, modified_or_now, newest_mtime, started_here
 from async_ckpt.commit import delete_tag, no_new_marks
 from async_ckpt.layout import DELETION_MARKS, LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark
 from async_ckpt.storage.base import Storage
@@ -53,7 +53,7 @@ class GcReport:
 def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcReport) -> None:
     """In a committed tag: ``.partial`` files and the bookkeeping folder older than ``cutoff``."""
     for path in storage.iter_files(tag):
-        if path.endswith(".partial") and _older_than(storage, path, cutoff):
+        if path.endswith(".partial") and modified_or_now(storage, path) < cutoff:
             report.partial_files.append(path)
             if not report.dry_run:
                 storage.delete(path)
@@ -63,13 +63,6 @@ def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcRepo
             report.bookkeeping.append(markers)
             if not report.dry_run:
                 storage.delete(markers, recursive=True)
-
-
-def _older_than(storage: Storage, path: str, cutoff: float) -> bool:
-    try:
-        return storage.modified(path) < cutoff
-    except FileNotFoundError:  # renamed or removed since the listing: a save at work
-        return False
 
 
 def _holding_off_marks(storage: Storage, dry_run: bool) -> ContextManager[None]:
@@ -152,11 +145,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
     ours |= deleting - foreign  # an upload under a tag being deleted is ours too
     for tag in deleting - (uncommitted - foreign):  # the mark of a deletion that ended, or of a name since reused
         mark = deletion_mark(tag)
-        try:
-            stale = storage.modified(mark) < cutoff
-        except FileNotFoundError:  # the deletion it marked has just ended
-            continue
-        if stale:
+        if modified_or_now(storage, mark) < cutoff:
             report.bookkeeping.append(mark)
             if not dry_run:
                 storage.delete(mark)

@@ -215,20 +215,27 @@ def test_pull_of_a_tag_deleted_after_its_files_were_pulled_completes(zero3, tmp_
     assert (tmp_path / "latest").read_text() == zero3["tag"]
 
 
+def _saved_again_with_a_corrupt_shard(zero3, root):
+    """``root`` holding the tag as saved again: another save id, and a shard that differs from the old
+    save's stored corrupt (its committed CRC-32 matches neither), so a pull of it fails half way."""
+    tag = zero3["tag"]
+    shutil.copytree(zero3["local"] / tag, root / tag)
+    stored = root / tag / MANIFEST
+    saved_again = json.loads(stored.read_text())
+    for entry in saved_again["files"]:
+        if entry["path"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt":
+            entry["crc32"] = "00000000"
+    stored.write_text(json.dumps({**saved_again, "save_id": "the-next-save"}))
+    return root
+
+
 def test_a_pull_of_another_save_cut_short_leaves_no_label_of_the_earlier_one(zero3, capsys, tmp_path):
     """The folder holds a whole pull of one save of the tag; the tag was saved again, and the pull of the
     new save fails half way: neither the old manifest nor 'latest' names the mix of both saves' files."""
     tag = zero3["tag"]
     pull(open_storage(str(zero3["local"])), resolve(open_storage(str(zero3["local"])), tag), str(tmp_path / "dest"),
          show_progress=False)
-    root = tmp_path / "root"
-    shutil.copytree(zero3["local"] / tag, root / tag)
-    stored = root / tag / MANIFEST
-    saved_again = json.loads(stored.read_text())
-    for entry in saved_again["files"]:  # a shard of the new save that differs from the old one's, stored corrupt
-        if entry["path"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt":
-            entry["crc32"] = "00000000"
-    stored.write_text(json.dumps({**saved_again, "save_id": "the-next-save"}))
+    root = _saved_again_with_a_corrupt_shard(zero3, tmp_path / "root")
     code, _, err = run_cli(capsys, "pull", str(root), "--dest", str(tmp_path / "dest"), "--tag", tag)
     assert code == 2 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in err
     assert not (tmp_path / "dest" / tag / MANIFEST).exists() and not (tmp_path / "dest" / "latest").exists()
@@ -240,14 +247,7 @@ def test_a_pull_cut_short_into_a_stock_root_of_the_tag_leaves_latest_naming_noth
     tag = zero3["tag"]
     shutil.copytree(zero3["local"] / tag, tmp_path / "dest" / tag, ignore=shutil.ignore_patterns(MANIFEST))
     (tmp_path / "dest" / "latest").write_text(tag)
-    root = tmp_path / "root"
-    shutil.copytree(zero3["local"] / tag, root / tag)
-    stored = root / tag / MANIFEST
-    saved_again = json.loads(stored.read_text())
-    for entry in saved_again["files"]:
-        if entry["path"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt":
-            entry["crc32"] = "00000000"
-    stored.write_text(json.dumps({**saved_again, "save_id": "the-next-save"}))
+    root = _saved_again_with_a_corrupt_shard(zero3, tmp_path / "root")
     code, _, _ = run_cli(capsys, "pull", str(root), "--dest", str(tmp_path / "dest"), "--tag", tag)
     assert code == 2 and not (tmp_path / "dest" / "latest").exists()
 
