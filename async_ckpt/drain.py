@@ -92,7 +92,9 @@ class Drainer:
         self._on_done = on_done
         self._nice = nice
         self._queue: queue.Queue[DrainJob | None] = queue.Queue()
-        self._pending: set[str] = set()
+        #: Drains queued or running, by drain id: a tag's redrain queued while its failed attempt is still
+        #: settling stays in flight when that attempt ends.
+        self._pending: dict[str, str] = {}
         self._failed: list[DrainJob] = []
         #: ``Manifest.recency`` of the newest tag this drainer committed at the URL.
         self._newest_drained: tuple[float, int] | None = None
@@ -105,8 +107,12 @@ class Drainer:
         self._thread.start()
 
     def submit(self, job: DrainJob) -> None:
+        """Queue ``job``. It supersedes the failed drains of its tag: :meth:`retry_failed` retries them no
+        more (two attempts of one save would both upload into the tag, the later one after the earlier
+        committed; and a later save of the tag replaced the earlier save's files in the node folder)."""
         with self._lock:
-            self._pending.add(job.tag)
+            self._pending[job.drain_id] = job.tag
+            self._failed = [failed for failed in self._failed if failed.tag != job.tag]
         self._queue.put(job)
 
     def pause_retention(self) -> None:
@@ -130,11 +136,11 @@ class Drainer:
     def in_flight(self) -> set[str]:
         """Tags queued or being drained now."""
         with self._lock:
-            return set(self._pending)
+            return set(self._pending.values())
 
     def retry_failed(self) -> list[SaveHandle]:
-        """Queue again the drains that failed, except those older than a tag drained since (that would
-        move the URL's ``latest`` back); return their new handles.
+        """Queue again the drains that failed (the last attempt of each tag), except those older than a tag
+        drained since (that would move the URL's ``latest`` back); return their new handles.
 
         Call it on every rank once every drain so far has finished (``close()`` does): each drain's
         outcome is agreed by all ranks, so every rank then holds the same failures and retries them
@@ -170,7 +176,7 @@ class Drainer:
                 self._failed_outside_drain(job, exc)
             finally:
                 with self._lock:
-                    self._pending.discard(job.tag)
+                    self._pending.pop(job.drain_id, None)
             if self._on_done is not None:
                 try:
                     self._on_done(job.handle)
@@ -271,9 +277,9 @@ class Drainer:
                                   "are unchanged; the next save(), close() or wrap() drains it again, unless a later "
                                   "tag reaches the URL first (it then stays on the local tier only)", tag=job.tag)
         logger.error("rank %d: %s", self._rank, failure)
-        with self._lock:
-            self._failed.append(job)
-            self._pending.discard(job.tag)  # before the handle settles: a save that sees it failed drains it again
+        with self._lock:  # drains run in order: this attempt supersedes the tag's earlier failed ones
+            self._failed = [failed for failed in self._failed if failed.tag != job.tag] + [job]
+            self._pending.pop(job.drain_id, None)  # before the handle settles: a save that sees it fail drains it again
         self._on_failure(failure, job)
         job.handle._fail(failure)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import tier_tasks
 from async_ckpt import ConfigError, SaveFailedError, commit, drain, wrap
 from async_ckpt.catalog import read_latest, read_manifest
-from async_ckpt.handle import SaveHandle
+from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.layout import MARKS_LOCK, start_mark
 from async_ckpt.launch import RankError
 from async_ckpt.storage import open_storage
@@ -405,6 +405,72 @@ def test_a_drain_that_fails_past_its_own_handling_fails_alone_and_the_drainer_go
     assert [str(f) for f in failures] == [str(handles[0].exception())]
     drainer.stop()
     assert drainer.join(30)
+
+
+def _failing_drain(manifest, drain_id, url):
+    """A drain of ``manifest``, committed on the local tier, that fails on this rank (as one whose commit
+    record is unknown here does)."""
+    handle = SaveHandle(tag=manifest.tag, url=url)
+    handle._commit_local(SaveResult(tag=manifest.tag, url="node0", bytes_written=0, stall_s=0.0, persist_s=0.0,
+                                    commit_s=0.0))
+    return drain.DrainJob(manifest=manifest, drain_id=drain_id, handle=handle,
+                          error="injected: this rank cannot drain it")
+
+
+def test_a_drain_queued_again_while_its_failed_attempt_settles_stays_in_flight(tmp_path):
+    """A save that sees a drain fail queues it again, which can happen before the failed attempt's
+    bookkeeping has ended: once it has, the tag still counts as in flight (else a listing of what to drain
+    would queue it a third time, and local retention could delete it while queued)."""
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    commit_by_hand(local, "a", 1, saved_at=1.7e9)
+    manifest, in_flight_when_done, again = read_manifest(local, "a"), [], []
+
+    def queue_it_again(error, job):
+        if not again:
+            again.append(_failing_drain(manifest, "again", durable.url))
+            drainer.submit(again[0])
+
+    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, None, None, 2, True), 60.0,
+                            queue_it_again, on_done=lambda handle: in_flight_when_done.append(drainer.in_flight()))
+    first = _failing_drain(manifest, "first", durable.url)
+    drainer.submit(first)
+    try:
+        with pytest.raises(SaveFailedError, match="injected"):
+            first.handle.result(timeout=60)
+        with pytest.raises(SaveFailedError, match="injected"):  # queued by the callback before ``first`` failed
+            again[0].handle.result(timeout=60)
+    finally:
+        drainer.stop()
+        assert drainer.join(30)
+    assert in_flight_when_done == [{"a"}, set()]
+
+
+@pytest.mark.parametrize("second", ["the same save", "a later save of the tag"])
+def test_a_tag_whose_drain_failed_twice_is_retried_once_for_its_last_attempt(tmp_path, second):
+    """Two retries would both upload into the tag, the second after the first committed; and a later save
+    of the tag replaced the earlier save's files in the node folder."""
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    commit_by_hand(local, "a", 1, saved_at=1.7e9)
+    first = read_manifest(local, "a")
+    if second != "the same save":
+        commit_by_hand(local, "a", 2, saved_at=1.7e9 + 1, save_id="a-saved-again")
+    failed = []
+    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, None, None, 2, True), 60.0,
+                            lambda error, job: failed.append(job.drain_id))
+    try:
+        for manifest, drain_id in ((first, "first"), (read_manifest(local, "a"), "second")):
+            job = _failing_drain(manifest, drain_id, durable.url)
+            drainer.submit(job)
+            with pytest.raises(SaveFailedError):
+                job.handle.result(timeout=60)
+        retries = drainer.retry_failed()
+        assert len(retries) == 1
+        with pytest.raises(SaveFailedError):
+            retries[0].result(timeout=60)
+        assert failed == ["first", "second", "second-retry"]
+    finally:
+        drainer.stop()
+        assert drainer.join(30)
 
 
 def test_a_restart_takes_the_newest_tag_every_rank_can_read_from_some_tier():
