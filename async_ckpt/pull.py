@@ -21,7 +21,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 from async_ckpt.errors import (CorruptManifestError, MissingFileError, StorageError, UnsupportedManifestError,
                                UsageError, VerificationError)
@@ -59,15 +59,27 @@ def _fetching(tag_dir: str, path: str) -> ContextManager[bool]:
 
 
 def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag_dir: str, *,
-             max_concurrency: int, resumable: bool, progress: Progress | None = None) -> PullReport:
+             max_concurrency: int, resumable: bool, progress: Progress | None = None,
+             before_replacing: Callable[[], None] | None = None) -> PullReport:
     """Fetch ``entries`` of ``manifest`` into ``tag_dir``, verified; skip files already correct there.
 
     ``resumable`` keeps partial files under a stable name for the next attempt. Without it (resume's
     cache, which the ranks of a node may share) each fetch uses a temporary name of its own, and a
     file is fetched by one process at a time (:func:`_fetching`): the others then find it cached.
+    ``before_replacing`` is called once, before the first fetched file takes its name.
     """
     started = time.perf_counter()
     report = PullReport(tag=manifest.tag, dest=tag_dir, files=[e.path for e in entries])
+    first_replace = threading.Lock()
+    replaced = threading.Event()
+
+    def replace(tmp: str, dest: str) -> None:
+        if before_replacing is not None and not replaced.is_set():
+            with first_replace:
+                if not replaced.is_set():
+                    before_replacing()
+                    replaced.set()
+        os.replace(tmp, dest)
 
     def fetch(entry: FileEntry) -> int:
         dest = os.path.join(tag_dir, *entry.path.split("/"))
@@ -98,7 +110,7 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
             os.unlink(tmp)
             raise VerificationError(f"{storage.url}/{manifest.tag}/{entry.path}: {check.problem}; the stored "
                                     "file is corrupt or was changed after the commit")
-        os.replace(tmp, dest)
+        replace(tmp, dest)
         return entry.size
 
     def fetch_into(entry: FileEntry, tmp: str, *, resume: bool, progress: Progress | None) -> None:
@@ -153,13 +165,12 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
         keep = set(files_for_rank(paths, rank)) | {p for p in paths if not p.endswith(".pt")}
         paths = [p for p in paths if p in keep]
     entries = [manifest.entry(p) for p in paths]
-    _unlabel_another_save(dest, tag_dir, manifest)
     os.makedirs(tag_dir, exist_ok=True)
     total = sum(e.size for e in entries)
     bar = _ProgressBar(total, f"pull {manifest.tag}", show_progress)
     try:
-        report = download(storage, manifest, entries, tag_dir, max_concurrency=max_concurrency,
-                          resumable=True, progress=bar)
+        report = download(storage, manifest, entries, tag_dir, max_concurrency=max_concurrency, resumable=True,
+                          progress=bar, before_replacing=lambda: _unlabel_another_save(dest, tag_dir, manifest))
     finally:
         bar.close()
     report.dest = dest
@@ -199,9 +210,10 @@ def _stored_manifest(storage: Storage, manifest: Manifest) -> bytes:
 
 def _unlabel_another_save(dest: str, tag_dir: str, manifest: Manifest) -> None:
     """Unless the tag folder holds a pull of this very save, ``latest`` naming the tag and then an earlier
-    pull's manifest of another save go before any file is replaced (also in a stock DeepSpeed root, which
-    has no manifest): a pull cut short then leaves a folder nothing names as a checkpoint, not the old
-    labels on a mix of two saves' files."""
+    pull's manifest of another save go before the first file is replaced (also in a stock DeepSpeed root,
+    which has no manifest): a pull cut short then leaves a folder nothing names as a checkpoint, not the
+    old labels on a mix of two saves' files. One that fails before replacing any file leaves the earlier
+    pull as it was, labelled."""
     path = os.path.join(tag_dir, MANIFEST)
     try:
         with open(path, "rb") as fh:

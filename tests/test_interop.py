@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from dataclasses import replace
 
 import pytest
@@ -21,6 +22,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 import interop_tasks
 from async_ckpt import StorageError, UsageError
+from async_ckpt.checksum import format_crc
 from async_ckpt.cli import main
 from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import FileEntry, Manifest
@@ -215,9 +217,10 @@ def test_pull_of_a_tag_deleted_after_its_files_were_pulled_completes(zero3, tmp_
     assert (tmp_path / "latest").read_text() == zero3["tag"]
 
 
-def _saved_again_with_a_corrupt_shard(zero3, root):
+def _saved_again(zero3, root, *, changed: bool):
     """``root`` holding the tag as saved again: another save id, and a shard that differs from the old
-    save's stored corrupt (its committed CRC-32 matches neither), so a pull of it fails half way."""
+    save's stored corrupt (its committed CRC-32 matches neither), so a pull of it fails. With ``changed``,
+    rank 0's optimizer states differ too (intact), so the pull replaces that file before it fails."""
     tag = zero3["tag"]
     shutil.copytree(zero3["local"] / tag, root / tag)
     stored = root / tag / MANIFEST
@@ -225,20 +228,40 @@ def _saved_again_with_a_corrupt_shard(zero3, root):
     for entry in saved_again["files"]:
         if entry["path"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt":
             entry["crc32"] = "00000000"
+        if entry["path"] == "zero_pp_rank_0_mp_rank_00_optim_states.pt" and changed:
+            other = root / tag / entry["path"]
+            other.write_bytes(other.read_bytes() + b"saved again")
+            entry.update(size=other.stat().st_size, crc32=format_crc(zlib.crc32(other.read_bytes())))
     stored.write_text(json.dumps({**saved_again, "save_id": "the-next-save"}))
     return root
+
+
+def _pulled(zero3, dest):
+    tag = zero3["tag"]
+    pull(open_storage(str(zero3["local"])), resolve(open_storage(str(zero3["local"])), tag), str(dest),
+         show_progress=False)
+    return dest
 
 
 def test_a_pull_of_another_save_cut_short_leaves_no_label_of_the_earlier_one(zero3, capsys, tmp_path):
     """The folder holds a whole pull of one save of the tag; the tag was saved again, and the pull of the
     new save fails half way: neither the old manifest nor 'latest' names the mix of both saves' files."""
-    tag = zero3["tag"]
-    pull(open_storage(str(zero3["local"])), resolve(open_storage(str(zero3["local"])), tag), str(tmp_path / "dest"),
-         show_progress=False)
-    root = _saved_again_with_a_corrupt_shard(zero3, tmp_path / "root")
-    code, _, err = run_cli(capsys, "pull", str(root), "--dest", str(tmp_path / "dest"), "--tag", tag)
+    tag, dest = zero3["tag"], _pulled(zero3, tmp_path / "dest")
+    root = _saved_again(zero3, tmp_path / "root", changed=True)
+    code, _, err = run_cli(capsys, "pull", str(root), "--dest", str(dest), "--tag", tag)
     assert code == 2 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in err
-    assert not (tmp_path / "dest" / tag / MANIFEST).exists() and not (tmp_path / "dest" / "latest").exists()
+    assert (dest / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes().endswith(b"saved again")
+    assert not (dest / tag / MANIFEST).exists() and not (dest / "latest").exists()
+
+
+def test_a_pull_of_another_save_that_fails_before_replacing_a_file_leaves_the_earlier_pull_labelled(
+        zero3, capsys, tmp_path):
+    tag, dest = zero3["tag"], _pulled(zero3, tmp_path / "dest")
+    held = (dest / tag / MANIFEST).read_bytes()
+    code, _, _ = run_cli(capsys, "pull", str(_saved_again(zero3, tmp_path / "root", changed=False)), "--dest",
+                         str(dest), "--tag", tag)
+    assert code == 2 and (dest / tag / MANIFEST).read_bytes() == held and (dest / "latest").read_text() == tag
+    assert run_cli(capsys, "verify", str(dest), "--tag", tag)[0] == 0
 
 
 def test_a_pull_cut_short_into_a_stock_root_of_the_tag_leaves_latest_naming_nothing(zero3, capsys, tmp_path):
@@ -247,7 +270,7 @@ def test_a_pull_cut_short_into_a_stock_root_of_the_tag_leaves_latest_naming_noth
     tag = zero3["tag"]
     shutil.copytree(zero3["local"] / tag, tmp_path / "dest" / tag, ignore=shutil.ignore_patterns(MANIFEST))
     (tmp_path / "dest" / "latest").write_text(tag)
-    root = _saved_again_with_a_corrupt_shard(zero3, tmp_path / "root")
+    root = _saved_again(zero3, tmp_path / "root", changed=True)
     code, _, _ = run_cli(capsys, "pull", str(root), "--dest", str(tmp_path / "dest"), "--tag", tag)
     assert code == 2 and not (tmp_path / "dest" / "latest").exists()
 
