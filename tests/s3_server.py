@@ -91,7 +91,9 @@ class FaultProxy:
     hanging now (:func:`held_requests`). ``refuse_deletes`` answers every DeleteObjects request with
     an AccessDenied error per key, and deletes nothing, as S3 does for keys a policy protects.
     ``no_list_permission`` answers 403 AccessDenied where the store answers a GET or HEAD with 404, as S3
-    does for a missing key when the credentials lack s3:ListBucket. Everything else passes through unchanged.
+    does for a missing key when the credentials lack s3:ListBucket. ``deny_list_parts`` answers every
+    ListParts request with 403 AccessDenied, as S3 does without s3:ListMultipartUploadParts. Everything
+    else passes through unchanged.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -105,6 +107,7 @@ class FaultProxy:
         self.injected = 0
         self.refuse_deletes = False
         self.no_list_permission = False
+        self.deny_list_parts = False
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -151,6 +154,10 @@ class FaultProxy:
                         b"<Error><Key>" + key + b"</Key><Code>AccessDenied</Code><Message>Access Denied</Message>"
                         b"</Error>" for key in keys) + b"</DeleteResult>")
                     self._answer_xml(200, payload)
+                    return
+                if self.command == "GET" and "uploadId" in query and proxy.deny_list_parts:
+                    self._answer_xml(403, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+                                          b"<Message>Access Denied</Message></Error>")
                     return
                 if self.command == "PUT" and "partNumber" in query and proxy._take_fault():
                     if proxy.kind in ("reset", "stall"):

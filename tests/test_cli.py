@@ -12,7 +12,7 @@ import rank_tasks
 from async_ckpt.cli import main
 from async_ckpt.gc import collect_garbage
 from async_ckpt.storage.s3 import S3Storage
-from s3_server import options
+from s3_server import FaultProxy, options
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -207,6 +207,22 @@ def test_an_upload_that_ended_since_it_was_listed_counts_as_active_now(s3):
     client.abort_multipart_upload(Bucket=bucket, Key="t/x.pt", UploadId=upload)
     before = time.time()
     assert S3Storage(f"s3://{bucket}", options(s3.endpoint)).last_part_uploaded("t/x.pt", upload) >= before
+
+
+def test_an_upload_whose_parts_may_not_be_listed_counts_as_active_now_with_a_warning(s3, caplog):
+    """Without s3:ListMultipartUploadParts gc cannot tell a live upload from a dead one: it keeps it."""
+    bucket = s3.make_bucket("cli-parts-denied")
+    upload = s3.client().create_multipart_upload(Bucket=bucket, Key="t/x.pt")["UploadId"]
+    proxy = FaultProxy(s3.endpoint)
+    proxy.deny_list_parts = True
+    storage = S3Storage(f"s3://{bucket}", options(proxy.endpoint))
+    try:
+        before = time.time()
+        assert storage.last_part_uploaded("t/x.pt", upload) >= before
+    finally:
+        storage.close()
+        proxy.stop()
+    assert "grant s3:ListMultipartUploadParts" in caplog.text
 
 
 def test_gc_at_a_bucket_root_leaves_other_writers_uploads_alone(s3, capsys):
