@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib.util
 import json
 import math
 import os
 import sys
+import tempfile
 from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -328,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"async-ckpt {args.command}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            print(f"async-ckpt {args.command}: {exc}. Free space on that device; export and to-universal also "
+                  "stage the tag (a remote one in full, and "
+                  f"to-universal its output) under the temporary folder {tempfile.gettempdir()}: point TMPDIR at a "
+                  "larger disk", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if not _unreachable(exc):
             raise
         output = getattr(args, "dest", None) or getattr(args, "out", None)

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -49,11 +50,16 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
     """Write the consolidated weights of ``manifest``'s tag to ``out_dir`` as a Hugging Face folder.
 
     Tied weights (e.g. ``lm_head.weight`` sharing ``wte.weight``) are written once, as
-    ``save_pretrained`` does; ``from_pretrained`` ties them again from the config.
+    ``save_pretrained`` does; ``from_pretrained`` ties them again from the config. The folder is
+    written beside ``out_dir`` under a ``.partial-`` name and takes its name only once complete: an
+    export that fails or is killed never leaves shards without their index under ``out_dir``.
     """
     if manifest.consolidated:
         raise UsageError(f"tag {manifest.tag!r} is a consolidated save: it already is a Hugging Face folder (or "
                          "DeepSpeed's 16-bit model file); `async-ckpt pull` it and load it with from_pretrained")
+    if manifest.universal:
+        raise UsageError(f"tag {manifest.tag!r} is a universal checkpoint, which zero_to_fp32 cannot consolidate: "
+                         "export the ZeRO tag it was converted from (or load it with checkpoint.load_universal)")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     if max_shard_bytes <= 0:
@@ -75,23 +81,36 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
                 state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
             except NotImplementedError as exc:  # DeepSpeed's refusal of a layout (AutoEP under ZeRO-3)
                 raise ConversionError(f"DeepSpeed's zero_to_fp32 cannot consolidate tag {manifest.tag!r}: {exc}") from exc
-        os.makedirs(out_dir, exist_ok=True)
         report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
         tensors, report.tied_aliases = without_aliases(state)
-        tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in tensors.items()}
-        _write_shards(tensors, out_dir, safetensors, max_shard_bytes, report)
-        tag_dir = os.path.join(root, manifest.tag)
-        for entry in manifest.files:
-            if entry.path.endswith(".pt") or entry.path == MANIFEST or "/" in entry.path:
-                continue
-            shutil.copyfile(os.path.join(tag_dir, entry.path), os.path.join(out_dir, entry.path))
-            report.extra_files.append(entry.path)
-    if "config.json" in report.extra_files:
-        set_config_dtype(os.path.join(out_dir, "config.json"), DTYPES[dtype])
+        parent = os.path.dirname(os.path.abspath(out_dir))
+        os.makedirs(parent, exist_ok=True)
+        partial = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial-{uuid.uuid4().hex[:8]}")
+        os.mkdir(partial)
+        try:
+            _write_shards(cast(tensors, dtype), partial, safetensors, max_shard_bytes, report)
+            tag_dir = os.path.join(root, manifest.tag)
+            for entry in manifest.files:
+                if entry.path.endswith(".pt") or entry.path == MANIFEST or "/" in entry.path:
+                    continue
+                shutil.copyfile(os.path.join(tag_dir, entry.path), os.path.join(partial, entry.path))
+                report.extra_files.append(entry.path)
+            if "config.json" in report.extra_files:
+                set_config_dtype(os.path.join(partial, "config.json"), DTYPES[dtype])
+            os.replace(partial, out_dir)  # an empty out_dir is replaced
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     logger.info("exported %s to %s: %d tensors, %.3f GB %s in %d shard(s), tied aliases %s, with %s",
                 manifest.tag, out_dir, report.tensors, report.total_bytes / 1e9, dtype, len(report.shards),
                 report.tied_aliases or "none", report.extra_files or "no tokenizer/config")
     return report
+
+
+def cast(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """The floating-point tensors in ``dtype``; integer and bool buffers (a step counter, a mask) keep
+    theirs, as ``save_pretrained`` and DeepSpeed's ``zero_to_fp32`` keep them."""
+    return {name: (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous() for name, t in tensors.items()}
 
 
 def _write_shards(tensors: dict[str, torch.Tensor], out_dir: str, safetensors: bool, max_shard_bytes: int,
@@ -104,8 +123,9 @@ def _write_shards(tensors: dict[str, torch.Tensor], out_dir: str, safetensors: b
             from safetensors.torch import save_file
 
             save_file(shard, path, metadata={"format": "pt"})
-        else:
-            torch.save(shard, path)
+        else:  # torch.save writes a tensor's whole storage: zero_to_fp32's are views of one flat buffer
+            torch.save({name: t if t.untyped_storage().nbytes() == nbytes(t) else t.clone()
+                        for name, t in shard.items()}, path)
         report.shards.append(file_name)
     report.tensors = len(tensors)
     report.total_bytes = sum(nbytes(t) for t in tensors.values())

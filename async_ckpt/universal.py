@@ -46,6 +46,9 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
     """Convert ``manifest``'s tag and commit the result at ``dest`` as ``tag`` (default ``<tag>_universal``)."""
     if manifest.universal:
         raise UsageError(f"tag {manifest.tag!r} is already a universal checkpoint")
+    if manifest.consolidated:
+        raise UsageError(f"tag {manifest.tag!r} is a consolidated save (the whole model's weights, no optimizer "
+                         "states), which ds_to_universal cannot convert: convert a ZeRO checkpoint's tag")
     out_tag = validate_tag(tag or f"{manifest.tag}_universal")
     # An --out that cannot be written fails now, not after the conversion. A refusal below leaves no new
     # folder: a tag it refuses is in --out, which therefore existed.

@@ -8,6 +8,7 @@ of the stock checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -337,6 +338,39 @@ def test_export_from_s3_in_bf16_writes_bf16_shards_an_index_and_the_tokenizer(ze
         assert all(shard.get_tensor(k).dtype == torch.bfloat16 for k in shard.keys())
     assert AutoTokenizer.from_pretrained(str(out_dir))("checkpoint")["input_ids"]
     torch.testing.assert_close(_hf_logits(out_dir), zero3["logits"], atol=0.1, rtol=0.05)
+
+
+def test_export_without_safetensors_writes_each_tensor_once_across_shards(saved, capsys, tmp_path):
+    """zero_to_fp32 gives views of one flat buffer per parameter group; torch.save of a view writes its
+    whole buffer, so each shard would hold the whole model."""
+    out_dir = tmp_path / "hf"
+    code, out, _ = run_cli(capsys, "export", str(saved["local"]), "--out", str(out_dir), "--no-safetensors",
+                           "--max-shard-gb", "0.0002", "--json")
+    report = json.loads(out)
+    assert code == 0 and len(report["shards"]) > 1
+    written = sum((out_dir / name).stat().st_size for name in report["shards"])
+    assert written < report["total_bytes"] * 1.1 + 4096 * report["tensors"]
+
+
+def test_export_casts_floating_point_tensors_only():
+    from async_ckpt.export import cast
+
+    cast_to = cast({"w": torch.ones(2), "steps": torch.tensor([257, 2049]), "mask": torch.tensor([True])}, "bf16")
+    assert {name: t.dtype for name, t in cast_to.items()} == {"w": torch.bfloat16, "steps": torch.int64,
+                                                               "mask": torch.bool}
+    assert cast_to["steps"].tolist() == [257, 2049]
+
+
+def test_an_export_that_fails_leaves_no_folder_under_its_name_and_names_tmpdir(zero3, capsys, tmp_path, monkeypatch):
+    from async_ckpt import export
+
+    def disk_full(source, dest):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", dest)
+
+    monkeypatch.setattr(export.shutil, "copyfile", disk_full)  # the tokenizer's files, after the shards
+    code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path / "hf"))
+    assert code == 2 and "No space left on device" in err and "TMPDIR" in err
+    assert os.listdir(tmp_path) == []
 
 
 def test_export_of_a_missing_tag_is_a_clear_error(zero3, capsys, tmp_path):
