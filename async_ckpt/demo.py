@@ -12,6 +12,7 @@ import os
 import tempfile
 import time
 
+from async_ckpt.errors import UsageError
 from async_ckpt.launch import RankGroup
 
 logger = logging.getLogger("async_ckpt")
@@ -76,6 +77,12 @@ def resume_and_train(root: str, steps: int, size: str) -> dict:
 
 def run_demo(root: str | None = None, steps: int = 20, save_every: int = 5, size: str = "small") -> dict:
     """Run both phases and print what happened; returns the figures."""
+    if steps % save_every:
+        raise UsageError(f"--steps {steps} is not a multiple of --save-every {save_every}: phase 1 ends with a save, "
+                         "which phase 2 resumes from; pass a multiple")
+    if root is not None and os.path.isdir(root) and os.listdir(root):
+        raise UsageError(f"--dir {root} is not empty (an earlier demo's checkpoints?): the demo's tags would clash "
+                         "with them; pass a new or empty folder, or leave --dir out")
     root = root or tempfile.mkdtemp(prefix="async_ckpt_demo_")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     print(f"async_ckpt demo: GPT-style model ({size}), DeepSpeed ZeRO-3 fp32, 2 CPU ranks (gloo)")
@@ -84,6 +91,9 @@ def run_demo(root: str | None = None, steps: int = 20, save_every: int = 5, size
         first = ranks.run(train_and_save, root, steps, save_every, size)[0]
     print("\n  tag            training stalled   background write   durable after   bytes written")
     for save in first["saves"]:
+        if save["durable_s"] is None:  # logged with its cause by the writer
+            print(f"  {save['tag']:<14} {save['stall_s'] * 1000:13.1f} ms   failed: see the error logged above")
+            continue
         print(f"  {save['tag']:<14} {save['stall_s'] * 1000:13.1f} ms {save['persist_s'] * 1000:15.1f} ms "
               f"{save['durable_s'] * 1000:12.1f} ms   {save['bytes_written'] or 0:>12,d} (rank 0)")
     print(f"  staging buffers allocated once and reused: {first['staging_allocations']} allocations "

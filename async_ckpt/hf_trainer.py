@@ -100,6 +100,10 @@ class AsyncCheckpointCallback(TrainerCallback):
                              "(a dict or a JSON path), and do not set use_cpu=True, which turns DeepSpeed off")
         if "url" in options:
             raise UsageError("url does not apply under Trainer: checkpoints go to TrainingArguments.output_dir")
+        if options.get("local_tier") is not None:
+            raise UsageError("local_tier does not apply under Trainer: Trainer saves each checkpoint into a "
+                             "checkpoint-N folder of its own, which the local tier does not cover. Set output_dir "
+                             "on the fast disk instead, or save with wrap() outside Trainer")
         try:  # checked now, not at train()'s start after the model and DeepSpeed are set up
             CheckpointConfig(url=args.output_dir, **{k: v for k, v in options.items() if k != "tokenizer"})
         except TypeError as exc:

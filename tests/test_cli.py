@@ -11,6 +11,9 @@ import pytest
 import rank_tasks
 from async_ckpt.cli import main
 from async_ckpt.gc import collect_garbage
+from async_ckpt.layout import manifest_path
+from async_ckpt.manifest import Manifest
+from async_ckpt.storage import open_storage
 from async_ckpt.storage.s3 import S3Storage
 from s3_server import FaultProxy, options
 
@@ -285,6 +288,36 @@ def test_an_out_of_range_number_is_refused_naming_the_flag(argv, flag, capsys, t
         main([a.format(root=tmp_path, tmp=tmp_path) for a in argv])
     assert exit_info.value.code == 2 and f"argument {flag}: must be at least" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv,error", [(("--steps", "12", "--save-every", "5"), "not a multiple of --save-every"),
+                                        (("--dir", "{tmp}"), "is not empty")])
+def test_demo_refuses_arguments_it_would_fail_on_later(argv, error, capsys, tmp_path):
+    (tmp_path / "earlier").mkdir()
+    code, _, err = run_cli(capsys, "demo", *[a.format(tmp=tmp_path) for a in argv])
+    assert code == 2 and error in err and os.listdir(tmp_path) == ["earlier"]
+
+
+def _root_with(tmp_path, **kind) -> str:
+    """A root whose one tag ``t``'s manifest says it is ``kind`` (universal or consolidated); no files."""
+    storage = open_storage(str(tmp_path / "root"))
+    storage.write_bytes(manifest_path("t"), Manifest(tag="t", step=1, world_size=1, zero_stage=2, dtype="fp32",
+                                                     files=[], **kind).to_json())
+    return str(tmp_path / "root")
+
+
+def test_export_refuses_a_universal_tag_before_reading_it(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "export", _root_with(tmp_path, universal=True), "--tag", "t", "--out",
+                           str(tmp_path / "hf"))
+    assert code == 2 and "universal checkpoint, which zero_to_fp32 cannot consolidate" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_to_universal_refuses_a_consolidated_tag_before_reading_it(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "to-universal", _root_with(tmp_path, consolidated=True), "--tag", "t", "--out",
+                           str(tmp_path / "u"))
+    assert code == 2 and "consolidated save" in err and "ds_to_universal cannot convert" in err
+    assert not (tmp_path / "u").exists()
 
 
 @pytest.mark.parametrize("flag", ["--storage-options", "--out-storage-options"])

@@ -183,6 +183,7 @@ def test_enable_refuses_hub_uploads_of_unwritten_checkpoint_folders(cpu_trainer,
 @pytest.mark.parametrize("options,error,names", [(dict(on_eror="raise"), UsageError, "on_eror"),
                                                  (dict(part_size=1), ConfigError, "part_size"),
                                                  (dict(url="s3://bucket/run"), UsageError, "output_dir"),
+                                                 (dict(local_tier="/dev/shm/ckpt"), UsageError, "checkpoint-N"),
                                                  (dict(storage_options={"anon": True}), ConfigError, "local path")])
 def test_enable_refuses_a_bad_option_before_train_begins(cpu_trainer, monkeypatch, options, error, names):
     monkeypatch.setattr(cpu_trainer, "is_deepspeed_enabled", True)  # as with a DeepSpeed config
