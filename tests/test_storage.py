@@ -28,7 +28,15 @@ from s3_server import FaultProxy, options
 STATE = {"weights": torch.arange(1_000_003, dtype=torch.float32), "step": 7, "nested": [torch.ones(3, 5)]}
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/exp[1]", "s3://bucket/runs/*", "memory://root/what?"])
+def test_an_object_store_root_with_glob_characters_is_refused(url):
+    """fsspec deletes and moves by glob: retention in 's3://bucket/exp[1]' would delete 'exp1/...'."""
+    with pytest.raises(ConfigError, match="glob pattern"):
+        open_storage(url)
+
+
 @pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
+
 def test_local_write_round_trips_unaligned_sizes(tmp_path, direct_io):
     storage = LocalStorage(str(tmp_path), direct_io=direct_io)
     entry = write_torch_file(storage, "tag/file.pt", STATE, tag_dir="tag", rank=0)

@@ -37,6 +37,11 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, 
         return LocalStorage(path, fsync=fsync, direct_io=direct_io)
     if not path or not path.strip("/"):
         raise ConfigError(f"URL {url!r} names no bucket or folder; use e.g. {protocol}://bucket/run1")
+    magic = sorted(set(path) & set("*?[]"))
+    if magic:  # fsspec reads them as a glob when it deletes or moves: a root 'run[1]' would delete 'run1/...'
+        raise ConfigError(f"URL {url!r} holds {' '.join(magic)}, which fsspec takes for a glob pattern when it "
+                          "deletes or moves objects (retention and gc would act on other folders); name the root "
+                          "without * ? [ ]")
     if protocol in ("s3", "s3a"):
         from async_ckpt.storage.s3 import S3Storage
 
