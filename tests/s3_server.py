@@ -80,7 +80,7 @@ class S3Server:
 class FaultProxy:
     """An HTTP proxy in front of the S3 endpoint that makes UploadPart requests fail.
 
-    The fault ``kind`` is ``"503"`` (a SlowDown answer), ``"reset"`` (the connection is closed
+    The fault ``kind`` is ``"503"`` (a SlowDown answer), ``"429"`` (TooManyRequests), ``"reset"`` (the connection is closed
     without an answer) or ``"stall"`` (no answer for ``stall_s`` seconds, then the connection is
     closed: a client read timeout shorter than that sees a timeout). ``fail_next_parts(n)`` fails
     the next n part uploads (transient); ``fail_all_parts()`` fails every one (permanent);
@@ -93,7 +93,8 @@ class FaultProxy:
     ``no_list_permission`` answers 403 AccessDenied where the store answers a GET or HEAD with 404, as S3
     does for a missing key when the credentials lack s3:ListBucket. ``deny_list_parts`` answers every
     ListParts request with 403 AccessDenied, as S3 does without s3:ListMultipartUploadParts. Everything
-    else passes through unchanged.
+    else passes through unchanged. ``fail_next_listings(n)`` answers the next n object listings with
+    500 InternalError.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -108,6 +109,7 @@ class FaultProxy:
         self.refuse_deletes = False
         self.no_list_permission = False
         self.deny_list_parts = False
+        self._listing_faults = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -155,6 +157,10 @@ class FaultProxy:
                         b"</Error>" for key in keys) + b"</DeleteResult>")
                     self._answer_xml(200, payload)
                     return
+                if self.command == "GET" and "list-type" in query and proxy._take_listing_fault():
+                    self._answer_xml(500, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+                                          b"<Message>We encountered an internal error.</Message></Error>")
+                    return
                 if self.command == "GET" and "uploadId" in query and proxy.deny_list_parts:
                     self._answer_xml(403, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
                                           b"<Message>Access Denied</Message></Error>")
@@ -164,6 +170,10 @@ class FaultProxy:
                         if proxy.kind == "stall":
                             time.sleep(proxy.stall_s)
                         self.close_connection = True  # no answer: the client sees a dropped connection
+                        return
+                    if proxy.kind == "429":
+                        self._answer_xml(429, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>TooManyRequests"
+                                              b"</Code><Message>Too many requests.</Message></Error>")
                         return
                     payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
                                b"<Message>Please reduce your request rate.</Message></Error>")
@@ -205,6 +215,18 @@ class FaultProxy:
                 self.injected += 1
                 return True
             return False
+
+    def _take_listing_fault(self) -> bool:
+        with self._lock:
+            if self._listing_faults > 0:
+                self._listing_faults -= 1
+                self.injected += 1
+                return True
+            return False
+
+    def fail_next_listings(self, n: int) -> None:
+        with self._lock:
+            self._listing_faults = n
 
     def fail_next_parts(self, n: int, kind: str = "503") -> None:
         with self._lock:

@@ -316,7 +316,20 @@ def test_s3_download_denied_for_a_key_names_both_causes_s3_gives_a_403_for(s3, b
         proxy.stop()
 
 
-@pytest.mark.parametrize("kind", ["503", "reset", "stall"])
+def test_s3_listing_survives_transient_server_errors(s3, bucket):
+    """s3fs's own requests (listings, HEADs, deletes) retry 5xx as botocore does."""
+    proxy = FaultProxy(s3.endpoint)
+    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint))
+    try:
+        storage.write_bytes("tag/a.bin", b"a")
+        proxy.fail_next_listings(2)
+        assert storage.list_dir("tag") == ["a.bin"] and proxy.injected == 2
+    finally:
+        storage.close()
+        proxy.stop()
+
+
+@pytest.mark.parametrize("kind", ["503", "429", "reset", "stall"])
 def test_s3_upload_survives_transient_part_faults(s3, bucket, kind):
     proxy = FaultProxy(s3.endpoint)
     proxy.stall_s = 3.0

@@ -13,23 +13,26 @@ logger = logging.getLogger("async_ckpt")
 T = TypeVar("T")
 
 _TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
-                    "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504"}
+                    "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "TooManyRequestsException",
+                    "RequestThrottled", "503", "500", "502", "504", "429"}
 
 
 def is_transient(exc: BaseException) -> bool:
-    """HTTP 5xx, throttling, timeouts and dropped connections are worth another try; 4xx are not."""
+    """HTTP 5xx and 429, throttling, timeouts and dropped connections are worth another try; other 4xx
+    are not."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = str(response.get("Error", {}).get("Code", ""))
-        return status >= 500 or code in _TRANSIENT_CODES
+        return status >= 500 or status == 429 or code in _TRANSIENT_CODES
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError)):
         return True
     name = type(exc).__name__
     module = type(exc).__module__ or ""
     # aiohttp client errors and botocore's HTTP-level errors (EndpointConnectionError, ReadTimeoutError...)
     return module.startswith("aiohttp") or name.endswith(("ConnectionError", "TimeoutError", "ConnectionClosedError",
-                                                          "IncompleteRead", "ClientPayloadError"))
+                                                          "IncompleteRead", "IncompleteReadError",
+                                                          "ResponseStreamingError", "ClientPayloadError"))
 
 
 @dataclass(frozen=True)

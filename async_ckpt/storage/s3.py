@@ -232,9 +232,12 @@ class S3Storage(FsspecStorage):
         if not isinstance(config_kwargs, Mapping):
             raise ConfigError(f"storage_options['config_kwargs'] must be a dict of botocore Config options, such as "
                               f"{{'connect_timeout': 10}}, got {config_kwargs!r}")
-        config_kwargs = dict(config_kwargs)
-        config_kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # retries are ours
-        fs = s3fs.S3FileSystem(config_kwargs=config_kwargs, **options)
+        # Two kinds of client: s3fs's requests (listings, HEADs, deletes) retry as botocore does; this
+        # module's own requests retry through ``self.retry`` alone, not through both loops at once.
+        theirs, ours = dict(config_kwargs), dict(config_kwargs)
+        theirs.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
+        ours.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        fs = s3fs.S3FileSystem(config_kwargs=theirs, **options)
         try:  # the client is made here: options s3fs does not know and unusable credentials fail now, typed
             fs.connect()
         except TypeError as exc:  # s3fs hands options it does not know to the botocore session
@@ -250,7 +253,8 @@ class S3Storage(FsspecStorage):
         self.upload_threads = upload_threads or 4
         self.retry = retry or RetryPolicy()
         self.stats = TransferStats()
-        self._lane_fs_options = {**options, "skip_instance_cache": True, "config_kwargs": config_kwargs}
+        self._own_fs_options = {**options, "skip_instance_cache": True, "config_kwargs": ours}
+        self._own_fs: s3fs.S3FileSystem | None = None  # the client of this module's requests on fs.loop
         self._lanes: UploadLanes | None = None
         self._lanes_finalizer: weakref.finalize | None = None
         self._lanes_lock = threading.Lock()
@@ -265,7 +269,7 @@ class S3Storage(FsspecStorage):
 
     async def _lane_client(self, loop: asyncio.AbstractEventLoop) -> Any:
         """A client like this storage's own (same endpoint, credentials, config), bound to ``loop``."""
-        return await s3fs.S3FileSystem(asynchronous=True, loop=loop, **self._lane_fs_options).set_session()
+        return await s3fs.S3FileSystem(asynchronous=True, loop=loop, **self._own_fs_options).set_session()
 
     def close(self) -> None:
         """Stop the upload threads and close every client's connections; a later request opens them again."""
@@ -274,9 +278,11 @@ class S3Storage(FsspecStorage):
             finalizer, self._lanes_finalizer = self._lanes_finalizer, None
         if finalizer is not None:
             finalizer()
-        if self.fs._s3 is not None:  # s3fs's client: its pooled keep-alive connections would stay open
-            with contextlib.suppress(Exception):
-                fsspec.asyn.sync(self.fs.loop, self.fs._s3.close)
+        own, self._own_fs = self._own_fs, None
+        for fs in (self.fs, own):
+            if fs is not None and fs._s3 is not None:  # a client's pooled keep-alive connections would stay open
+                with contextlib.suppress(Exception):
+                    fsspec.asyn.sync(self.fs.loop, fs._s3.close)
 
     def _key(self, relpath: str) -> str:
         return f"{self.prefix}/{relpath}" if self.prefix else relpath
@@ -285,7 +291,10 @@ class S3Storage(FsspecStorage):
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
 
     async def _client(self) -> Any:
-        return await self.fs.set_session()
+        """The client of this module's own requests (each retried by ``self.retry``), on ``fs.loop``."""
+        if self._own_fs is None:  # not asynchronous: on fsspec's loop (fs.loop), closed by s3fs when dropped
+            self._own_fs = s3fs.S3FileSystem(**self._own_fs_options)
+        return await self._own_fs.set_session()
 
     def delete(self, relpath: str, *, recursive: bool = False) -> None:
         """As on any fsspec store, then a check that nothing is left: DeleteObjects answers each key
