@@ -92,7 +92,8 @@ class FaultProxy:
     an AccessDenied error per key, and deletes nothing, as S3 does for keys a policy protects.
     ``no_list_permission`` answers 403 AccessDenied where the store answers a GET or HEAD with 404, as S3
     does for a missing key when the credentials lack s3:ListBucket. ``deny_list_parts`` answers every
-    ListParts request with 403 AccessDenied, as S3 does without s3:ListMultipartUploadParts. Everything
+    ListParts request with 403 AccessDenied, as S3 does without s3:ListMultipartUploadParts, and
+    ``deny_aborts`` every AbortMultipartUpload likewise. Everything
     else passes through unchanged. ``fail_next_listings(n)`` answers the next n object listings with
     500 InternalError.
     """
@@ -109,6 +110,7 @@ class FaultProxy:
         self.refuse_deletes = False
         self.no_list_permission = False
         self.deny_list_parts = False
+        self.deny_aborts = False
         self._listing_faults = 0
         proxy = self
 
@@ -161,7 +163,8 @@ class FaultProxy:
                     self._answer_xml(500, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
                                           b"<Message>We encountered an internal error.</Message></Error>")
                     return
-                if self.command == "GET" and "uploadId" in query and proxy.deny_list_parts:
+                if "uploadId" in query and (self.command, True) in (("GET", proxy.deny_list_parts),
+                                                                    ("DELETE", proxy.deny_aborts)):
                     self._answer_xml(403, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
                                           b"<Message>Access Denied</Message></Error>")
                     return

@@ -212,6 +212,16 @@ def test_an_upload_that_ended_since_it_was_listed_counts_as_active_now(s3):
     assert S3Storage(f"s3://{bucket}", options(s3.endpoint)).last_part_uploaded("t/x.pt", upload) >= before
 
 
+def test_aborting_an_upload_that_ended_since_it_was_listed_is_done(s3):
+    """Two gc runs at once, or the save's own abort first: the second abort finds no upload."""
+    bucket = s3.make_bucket("cli-abort-twice")
+    upload = s3.client().create_multipart_upload(Bucket=bucket, Key="t/x.pt")["UploadId"]
+    storage = S3Storage(f"s3://{bucket}", options(s3.endpoint))
+    storage.abort_upload("t/x.pt", upload)
+    storage.abort_upload("t/x.pt", upload)
+    assert s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
 def test_an_upload_whose_parts_may_not_be_listed_counts_as_active_now_with_a_warning(s3, caplog):
     """Without s3:ListMultipartUploadParts gc cannot tell a live upload from a dead one: it keeps it."""
     bucket = s3.make_bucket("cli-parts-denied")

@@ -366,6 +366,25 @@ def test_s3_upload_that_keeps_timing_out_fails_naming_the_object_and_aborts(s3, 
     assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="run/tag/")
 
 
+def test_s3_upload_whose_abort_is_refused_fails_with_its_own_error_and_warns_of_the_parts_left(s3, bucket, caplog):
+    proxy = FaultProxy(s3.endpoint)
+    proxy.deny_aborts = True
+    try:
+        proxy.fail_all_parts()
+        storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint), part_size=5 * 1024 * 1024,
+                               retry=RetryPolicy(attempts=1))
+        with pytest.raises(StorageError, match="SlowDown"):
+            with storage.open_write("tag/blob.bin") as stream:
+                stream.write(os.urandom(11 * 1024 * 1024))
+        storage.close()
+    finally:
+        proxy.stop()
+    assert "could not abort the multipart upload of s3://" in caplog.text and "AccessDenied" in caplog.text
+    uploads = s3.client().list_multipart_uploads(Bucket=bucket)["Uploads"]
+    assert [u["Key"] for u in uploads] == ["run/tag/blob.bin"]
+    s3.client().abort_multipart_upload(Bucket=bucket, Key="run/tag/blob.bin", UploadId=uploads[0]["UploadId"])
+
+
 @pytest.mark.parametrize("recursive", [False, True])
 def test_s3_delete_that_the_store_refuses_raises_naming_what_is_left(s3, bucket, recursive):
     """S3 answers a refused DeleteObjects key inside a 200 response, which s3fs does not raise on."""

@@ -425,7 +425,7 @@ class S3Storage(FsspecStorage):
             prefix = f"{self.prefix}/" if self.prefix else ""
             found, kwargs = [], {"Bucket": self.bucket, "Prefix": prefix}
             while True:
-                resp = await s3.list_multipart_uploads(**kwargs)
+                resp = await self.retry.run("list multipart uploads", lambda: s3.list_multipart_uploads(**kwargs))
                 found += [(u["Key"][len(prefix):], u["UploadId"], u["Initiated"].timestamp())
                           for u in resp.get("Uploads", [])]
                 if not resp.get("IsTruncated"):
@@ -465,8 +465,12 @@ class S3Storage(FsspecStorage):
 
         async def abort() -> None:
             s3 = await self._client()
-            await self.retry.run(f"abort {key}", lambda: s3.abort_multipart_upload(
-                Bucket=self.bucket, Key=key, UploadId=upload_id))
+            try:
+                await self.retry.run(f"abort {key}", lambda: s3.abort_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id))
+            except botocore.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "NoSuchUpload":  # else completed or aborted since
+                    raise
 
         fsspec.asyn.sync(self.fs.loop, abort)
 
@@ -691,8 +695,9 @@ class MultipartUpload:
         """
         for future, _ in self._inflight:
             future.cancel()  # a request that has not started yet never will
-        if self._inflight and self._storage._lanes is not None:
-            self._storage._lanes.run_everywhere(self._settle)
+        lanes = self._storage._lanes  # once: close() may drop them meanwhile
+        if self._inflight and lanes is not None:
+            lanes.run_everywhere(self._settle)
         self._release()
         if self._upload_id is None:
             return
@@ -703,5 +708,11 @@ class MultipartUpload:
             await storage.retry.run(f"abort {self._key}", lambda: s3.abort_multipart_upload(
                 Bucket=storage.bucket, Key=self._key, UploadId=self._upload_id))
 
-        with contextlib.suppress(Exception):
+        try:
             storage._run(abort()).result()
+        except Exception as exc:  # the write's own error is what the caller sees
+            if not (isinstance(exc, botocore.exceptions.ClientError)
+                    and exc.response.get("Error", {}).get("Code") == "NoSuchUpload"):
+                logger.warning("could not abort the multipart upload of s3://%s/%s (%s: %s): its parts stay stored, "
+                               "and billed, until `async-ckpt gc` or a bucket lifecycle rule aborts it", storage.bucket,
+                               self._key, type(exc).__name__, exc)
