@@ -89,9 +89,14 @@ def tier_bytes(root: str) -> int:
 
 def room_for(root: str, needed: int, max_bytes: int | None) -> tuple[bool, str]:
     """Whether ``needed`` bytes (with a margin) fit in the local tier: free disk space and the
-    ``local_tier_max_bytes`` quota. Returns ``(fits, why not)``."""
+    ``local_tier_max_bytes`` quota. Returns ``(fits, why not)``; a folder that cannot be checked (gone,
+    an I/O error) has no room: it is checked on each rank before the save's collective, where a raise
+    on one node would leave the others waiting in it."""
     wanted = int(needed * SPACE_MARGIN)
-    free = shutil.disk_usage(root).free
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError as exc:
+        return False, f"cannot check the room in {root} ({type(exc).__name__}: {exc})"
     if free < wanted:
         return False, f"{free / 1e9:.2f} GB free on {root}, about {wanted / 1e9:.2f} GB needed"
     if max_bytes is not None:

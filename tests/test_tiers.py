@@ -22,7 +22,7 @@ from async_ckpt.layout import MARKS_LOCK, start_mark
 from async_ckpt.launch import RankError
 from async_ckpt.storage import open_storage
 from async_ckpt.storage.local import file_lock
-from async_ckpt.tiers import choose_tag, holds_chosen_save, prune_local, readable_saves, undrained
+from async_ckpt.tiers import choose_tag, holds_chosen_save, prune_local, readable_saves, room_for, undrained
 from conftest import rank_group
 from manifests import commit_by_hand
 from s3_server import FaultProxy, options
@@ -471,6 +471,12 @@ def test_a_tag_whose_drain_failed_twice_is_retried_once_for_its_last_attempt(tmp
     finally:
         drainer.stop()
         assert drainer.join(30)
+
+
+def test_a_local_tier_folder_that_is_gone_has_no_room_rather_than_raising(tmp_path):
+    """Checked on each rank before the save's collective: a raise on one node would hang the others."""
+    fits, why = room_for(str(tmp_path / "wiped"), 1, None)
+    assert not fits and "cannot check the room in" in why and "wiped" in why
 
 
 def test_a_restart_takes_the_newest_tag_every_rank_can_read_from_some_tier():
