@@ -657,12 +657,16 @@ class AsyncCheckpointer:
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "
                                  "overwrite_tags=True to wrap() for DeepSpeed's overwrite semantics")
-        if committed and self.rank == 0:
-            logger.warning("overwriting committed tag %s at %s: it is uncommitted until this save commits", tag,
-                           storage.url)
-            for tier in holding:  # marked first: if the job dies before this save commits, gc knows it for ours
-                commit.mark_started(tier, tag, 0, save_id)
-                tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
+        if committed:  # a collective: where rank 0 cannot uncommit the tag, every rank raises, none saves
+            def uncommit() -> None:
+                if self.rank != 0:
+                    return
+                logger.warning("overwriting committed tag %s at %s: it is uncommitted until this save commits", tag,
+                               storage.url)
+                for tier in holding:  # marked first: if the job dies before this save commits, gc knows it for ours
+                    commit.mark_started(tier, tag, 0, save_id)
+                    tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
+            self._gather_checked(f"to uncommit tag {tag!r}, which this save overwrites", uncommit)
         full = [f"rank {r}: {v.room[1]}" for r, v in enumerate(views) if not v.room[0]]
         if full and self.rank == 0:
             logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import async_ckpt
 from async_ckpt import workload
 from async_ckpt.deepspeed_adapter import estimate_snapshot
+from async_ckpt.layout import MANIFEST
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
@@ -378,6 +379,22 @@ def failing_overwrite_of_a_committed_tag(root: str) -> dict:
     dist.barrier()
     return {"handle_error": str(error), "t_committed": os.path.exists(f"{root}/t/async_ckpt_manifest.json"),
             "t_marks": sorted(os.listdir(f"{root}/t/.async_ckpt"))}
+
+
+def overwrite_that_cannot_uncommit_the_tag(root: str) -> dict:
+    """With overwrite_tags, rank 0 may not delete the committed tag's manifest (permission denied)."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
+        ckpt.save(tag="t").result(timeout=60)
+    faults = {"fail_rm": MANIFEST}
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, overwrite_tags=True) as ckpt:
+        raised = _outcome(lambda: ckpt.save(tag="t"))
+        after = ckpt.save(tag="u").result(timeout=120).tag  # the ranks are still in step
+    return {"raised": raised, "after": after, "t_committed": os.path.exists(f"{root}/t/{MANIFEST}")}
 
 
 def failure_known_to_one_rank_first(root: str) -> dict:

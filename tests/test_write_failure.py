@@ -112,6 +112,14 @@ def test_a_failed_overwrite_keeps_every_ranks_start_mark_for_gc(ranks, tmp_path)
         assert rank["t_marks"] == ["started-rank0", "started-rank1"]
 
 
+def test_an_overwrite_rank_0_cannot_uncommit_fails_on_every_rank_and_leaves_the_tag_committed(ranks, tmp_path):
+    """Before, rank 0 alone raised after the save's collective and the other ranks went on into DeepSpeed's."""
+    for rank, seen in enumerate(ranks.run(rank_tasks.overwrite_that_cannot_uncommit_the_tag, str(tmp_path / "ckpt"))):
+        kind, message = seen["raised"]
+        assert kind == ("PermissionError" if rank == 0 else "StorageError") and "Permission denied" in message
+        assert seen["t_committed"] and seen["after"] == "u"
+
+
 # ---------------------------------------------------------------- a save DeepSpeed fails; a failing model-states file
 
 
