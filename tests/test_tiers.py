@@ -314,6 +314,15 @@ def test_a_drain_that_keeps_failing_is_raised_once_not_at_every_later_save(ranks
         assert rank["wait_after_the_retry"] is None and rank["third_local"] == "third"
 
 
+def test_a_save_committed_locally_but_not_yet_handed_to_its_drain_is_not_listed_to_drain_again(ranks, tmp_path):
+    """Listed, it would be drained twice: the second upload into a committed tag, and on ranks whose queues
+    took the two in another order, a commit waiting for the other drain until its timeout."""
+    out = ranks.run(tier_tasks.listing_while_a_save_is_handed_to_its_drain, str(tmp_path / "durable"),
+                    str(tmp_path), timeout_s=240)
+    listed = out[0]["listed"]
+    assert len(listed) == 2 and all(line.endswith(": first") for line in listed)
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     yield from rank_group(1)

@@ -196,6 +196,34 @@ def saves_past_a_drain_that_keeps_failing(durable: str, work: str) -> dict:
     return out
 
 
+def listing_while_a_save_is_handed_to_its_drain(durable: str, work: str) -> dict:
+    """Rank 1's drains keep failing, so each save lists what to drain again. 'second' is committed in the
+    node folders while its writer's hand-over to the drainer is held; 'third' is saved meanwhile, after
+    the redrain of 'first' failed: rank 0's listing then finds 'second' committed but not in the drainer."""
+    ckpt = _wrap_where_rank_1_cannot_drain(durable, work, on_error="warn")
+    held, submit = threading.Event(), ckpt._drainer.submit
+
+    def held_hand_over(job) -> None:
+        if job.tag == "second" and threading.current_thread().name.startswith("async_ckpt-writer"):
+            held.wait(120)
+        submit(job)
+
+    ckpt._drainer.submit = held_hand_over
+    with async_ckpt_log() as log:
+        ckpt.save(tag="first").exception(timeout=120)
+        second = ckpt.save(tag="second")  # lists 'first' to drain again: that redrain fails too
+        second.wait_local(120)
+        deadline = time.monotonic() + 120
+        while not ckpt._drain_failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dist.barrier()
+        ckpt.save(tag="third")
+        held.set()
+        with contextlib.suppress(Exception):
+            ckpt.close()
+    return {"listed": [line for line in log if "resuming the drain" in line]}
+
+
 def load_while_a_drain_fails_on_one_rank(durable: str, work: str) -> dict:
     """Rank 1's drain of 'first' fails at once; rank 0's upload is held at a gate, still running, when both
     call load() with on_error="raise"."""
