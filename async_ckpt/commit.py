@@ -310,29 +310,31 @@ def _manifest(job: SaveJob, entries: list[FileEntry]) -> Manifest:
 
 
 def _after_commit(job: SaveJob, manifest: Manifest) -> list[str]:
-    """``latest``, bookkeeping removal and retention: each may fail; none of them un-commits the tag."""
-    storage, warnings = job.storage, []
-    later = _later_save_named_by_latest(job, manifest)
-    if later is not None:
-        logger.info("tag %s reached %s after %s, a later save: 'latest' stays on %s", job.tag, storage.url, later,
-                    later)
-    elif job.save_latest:
-        try:
-            storage.write_bytes(LATEST, job.tag.encode())
-        except Exception as exc:
-            warnings.append(f"could not write 'latest' ({type(exc).__name__}: {exc}); load() still resumes "
-                            f"from {job.tag}, the newest committed tag")
-    remove_bookkeeping(storage, job.tag)
-    if job.keep_last:
-        try:
-            apply_retention(storage, job.tag, job.keep_last, job.keep_every,
-                            allowed=job.retention_allowed or always_allowed)
-        except Exception as exc:
-            warnings.append(f"retention (keep_last={job.keep_last}) failed ({type(exc).__name__}: {exc}); "
-                            "older tags stay until the next save's retention")
-    for warning in warnings:
-        logger.warning("tag %s is committed, but %s", job.tag, warning)
-    return warnings
+    """``latest``, bookkeeping removal and retention: each may fail; none of them un-commits the tag.
+    Under the storage's :attr:`~async_ckpt.storage.base.Storage.after_commit_lock`."""
+    with job.storage.after_commit_lock:
+        storage, warnings = job.storage, []
+        later = _later_save_named_by_latest(job, manifest)
+        if later is not None:
+            logger.info("tag %s reached %s after %s, a later save: 'latest' stays on %s", job.tag, storage.url, later,
+                        later)
+        elif job.save_latest:
+            try:
+                storage.write_bytes(LATEST, job.tag.encode())
+            except Exception as exc:
+                warnings.append(f"could not write 'latest' ({type(exc).__name__}: {exc}); load() still resumes "
+                                f"from {job.tag}, the newest committed tag")
+        remove_bookkeeping(storage, job.tag)
+        if job.keep_last:
+            try:
+                apply_retention(storage, job.tag, job.keep_last, job.keep_every,
+                                allowed=job.retention_allowed or always_allowed)
+            except Exception as exc:
+                warnings.append(f"retention (keep_last={job.keep_last}) failed ({type(exc).__name__}: {exc}); "
+                                "older tags stay until the next save's retention")
+        for warning in warnings:
+            logger.warning("tag %s is committed, but %s", job.tag, warning)
+        return warnings
 
 
 def _later_save_named_by_latest(job: SaveJob, manifest: Manifest) -> str | None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import commit_tasks
 from manifests import commit_by_hand
 from async_ckpt import (ConfigError, CorruptManifestError, SaveFailedError, UnsupportedManifestError, WaitTimeoutError,
-                        layout)
+                        commit, layout)
 from async_ckpt.bench.commit_scale import CountingStorage, run_save, tcp_stores
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.checkpointer import AsyncCheckpointer
@@ -660,10 +660,11 @@ def test_the_handshake_leaves_no_keys_in_the_store(tmp_path):
 # ---------------------------------------------------------------- drains and 'latest' (one thread rank)
 
 
-def _save_one_rank(root: str, tag: str, step: int) -> None:
-    """A save of ``tag`` at ``step`` by one rank's background writer, committed in ``root``."""
+def _save_one_rank(root: str, tag: str, step: int, storage=None) -> None:
+    """A save of ``tag`` at ``step`` by one rank's background writer, committed in ``root`` (through
+    ``storage`` if given)."""
     save_id = uuid.uuid4().hex
-    job = SaveJob(tag=tag, save_id=save_id, storage=open_storage(root), rank=0, world_size=1,
+    job = SaveJob(tag=tag, save_id=save_id, storage=storage or open_storage(root), rank=0, world_size=1,
                   files=[StagedFile(f"{tag}/rank0.pt", {"step": step}, 0)], ticket=CopyTicket([]),
                   handle=SaveHandle(tag=tag, url=root), handshake=Handshake(dist.HashStore(), save_id, 0, 1),
                   save_latest=True, keep_last=None, keep_every=None, metadata={"step": step})
@@ -674,9 +675,10 @@ def _save_one_rank(root: str, tag: str, step: int) -> None:
     job.handle.result(timeout=0)
 
 
-def _drain_one_rank(local_root: str, durable_root: str, tag: str) -> None:
-    """Drain ``tag``, committed in the node folder ``local_root``, to ``durable_root``."""
-    local, durable = open_storage(local_root), open_storage(durable_root)
+def _drain_one_rank(local_root: str, durable_root: str, tag: str, durable=None) -> None:
+    """Drain ``tag``, committed in the node folder ``local_root``, to ``durable_root`` (through ``durable``
+    if given)."""
+    local, durable = open_storage(local_root), durable or open_storage(durable_root)
     target = DrainTarget(local=local, durable=durable, keep_last=None, keep_every=None, local_keep_last=10,
                          tier_leader=True)
     drainer = Drainer(0, 1, dist.HashStore(), target, 30, lambda error, job: None)
@@ -694,6 +696,33 @@ def test_a_drain_that_ends_after_a_later_save_reached_the_url_leaves_latest_on_t
     _drain_one_rank(local, durable, "a")
     assert read_manifest(open_storage(durable), "a") is not None
     assert read_latest(open_storage(durable)) == "b"
+
+
+def test_a_drain_and_a_later_save_committing_at_one_root_at_once_leave_latest_on_the_later_save(tmp_path,
+                                                                                                monkeypatch):
+    """Rank 0's drainer has checked 'latest' for the older tag 'a' when its writer commits 'b' straight to
+    the URL (the local tier was full), through the same storage: 'b' waits for the drain's steps after its
+    commit, and does not write 'latest' in between the drain's check and its write."""
+    local, durable_root = str(tmp_path / "node"), str(tmp_path / "bucket")
+    _save_one_rank(local, "a", step=10)
+    durable, checked, b_saved = open_storage(durable_root), threading.Event(), threading.Event()
+    check = commit._later_save_named_by_latest
+
+    def slow_check(job, manifest):
+        later = check(job, manifest)
+        if job.tag == "a":
+            checked.set()
+            b_saved.wait(2)  # without the lock 'b' commits meanwhile; with it, 'b' waits for this drain
+        return later
+
+    monkeypatch.setattr(commit, "_later_save_named_by_latest", slow_check)
+    drain = threading.Thread(target=_drain_one_rank, args=(local, durable_root, "a"), kwargs={"durable": durable})
+    drain.start()
+    assert checked.wait(30)
+    _save_one_rank(durable_root, "b", step=20, storage=durable)
+    b_saved.set()
+    drain.join(60)
+    assert read_latest(durable) == "b"
 
 
 def test_a_drain_of_the_newest_save_moves_latest_at_the_url(tmp_path):

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import threading
 import uuid
 from typing import BinaryIO, Callable, Iterator
 
@@ -107,6 +108,10 @@ class Storage(abc.ABC):
 
     def __init__(self, url: str) -> None:
         self.url = url
+        #: Held across what follows a commit here (``latest``, bookkeeping, retention): a rank's writer and
+        #: drainer may commit at one root at once, and one's check of ``latest`` must not interleave with the
+        #: other's write of it (``latest`` would move back to an older save, perhaps one retention deleted).
+        self.after_commit_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
