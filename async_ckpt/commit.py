@@ -39,6 +39,11 @@ from async_ckpt.storage.local import file_lock
 
 logger = logging.getLogger("async_ckpt")
 
+#: How much longer than its timeout a rank waits for the outcome once rank 0 has decided to commit (its
+#: manifest and ``latest`` writes remain), before it asks the storage. Within the 400 s that
+#: ``wait_timeout_s``'s default adds to twice ``commit_timeout_s``.
+COMMIT_GRACE_S = 300.0
+
 
 def mark_started(storage: Storage, tag: str, rank: int, save_id: str) -> None:
     """This rank is about to write its first file of ``tag``: its start mark first (a small durable file).
@@ -225,7 +230,8 @@ def _publish(job: SaveJob, outcome: Outcome) -> Outcome:
 
 def _await_outcome(job: SaveJob, timeout_s: float) -> Outcome:
     """Rank 0's verdict. If it does not come in time, abort the tag, unless rank 0 already decided to
-    commit it: then wait as long again for the outcome, and failing that, ask the storage."""
+    commit it: then wait up to :data:`COMMIT_GRACE_S` more for the outcome, and failing that, ask the
+    storage. So a rank waits at most ``timeout_s + COMMIT_GRACE_S``, within ``wait_timeout_s``'s default."""
     try:
         return job.handshake.await_outcome(timeout_s)
     except HandshakeTimeout as exc:
@@ -236,11 +242,12 @@ def _await_outcome(job: SaveJob, timeout_s: float) -> Outcome:
         decision = None
     if decision == ABORT:
         return Outcome(False, f"tag {job.tag!r}: rank {job.rank} gave up: {waited}", cleanup=True)
-    if decision == COMMIT:
+    if decision == COMMIT:  # rank 0's manifest and 'latest' writes remain; past the grace, the storage tells
+        grace = min(timeout_s, COMMIT_GRACE_S)
         logger.warning("rank %d: %s, but rank 0 is committing tag %s; waiting up to %.0f s more", job.rank, waited,
-                       job.tag, timeout_s)
+                       job.tag, grace)
         try:
-            return job.handshake.await_outcome(timeout_s)
+            return job.handshake.await_outcome(grace)
         except HandshakeTimeout as exc:
             waited = str(exc)
     if _committed(job):

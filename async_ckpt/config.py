@@ -70,7 +70,8 @@ class CheckpointConfig:
             :class:`~async_ckpt.WaitTimeoutError` naming the rank, the tag and what was awaited.
             ``None`` (the default): 4000 s, or ``2 * commit_timeout_s + 400`` where that is longer,
             so that a wait outlasts a commit that times out (rank 0 waits ``commit_timeout_s`` for
-            every rank's files, the others up to twice that) when ``commit_timeout_s`` is raised.
+            every rank's files, the others up to twice that, and 300 s more where rank 0 has begun
+            to commit) when ``commit_timeout_s`` is raised.
             The field stays ``None``; :attr:`effective_wait_timeout_s` gives the value in force.
         part_size: object-store multipart part size in bytes (5 MiB to 5 GiB, S3's limits). A file
             past 1000 parts (16 GiB at the default) doubles it after every 1000 parts, and with it
