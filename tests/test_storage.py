@@ -35,8 +35,18 @@ def test_an_object_store_root_with_glob_characters_is_refused(url):
         open_storage(url)
 
 
-@pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
+def test_a_local_write_makes_the_folders_it_creates_durable_in_their_parents(tmp_path, monkeypatch):
+    """A tag folder's name must survive a crash as its files do: only 'latest' fsyncs the root otherwise."""
+    synced = []
+    real = local_storage.fsync_path
+    monkeypatch.setattr(local_storage, "fsync_path", lambda path: synced.append(path) or real(path))
+    root = tmp_path / "root"
+    root.mkdir()
+    LocalStorage(str(root)).write_bytes("tag/sub/file.bin", b"x")
+    assert synced == [str(root), str(root / "tag"), str(root / "tag" / "sub")]
 
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
 def test_local_write_round_trips_unaligned_sizes(tmp_path, direct_io):
     storage = LocalStorage(str(tmp_path), direct_io=direct_io)
     entry = write_torch_file(storage, "tag/file.pt", STATE, tag_dir="tag", rank=0)

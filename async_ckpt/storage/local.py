@@ -43,6 +43,20 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def make_folders(path: str, *, fsync: bool = True) -> None:
+    """``os.makedirs``, then (with ``fsync``) each folder it created made durable in its parent: a new
+    tag folder must survive a crash as its files do, and only ``latest``'s write fsyncs the root,
+    which not every save makes."""
+    created, folder = [], path
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    os.makedirs(path, exist_ok=True)
+    if fsync:
+        for new in reversed(created):
+            fsync_path(os.path.dirname(new))
+
+
 @contextlib.contextmanager
 def file_lock(path: str, *, shared: bool = False, create: bool = True) -> Iterator[bool]:
     """Hold ``flock`` on the file ``path`` (shared or exclusive) for the block; yield whether it is held.
@@ -359,7 +373,7 @@ class LocalStorage(FsspecStorage):
     def open_write(self, relpath: str) -> Iterator[BinaryIO]:
         final = os.path.join(self.root, *relpath.split("/"))
         parent = os.path.dirname(final)
-        os.makedirs(parent, exist_ok=True)
+        make_folders(parent, fsync=self.fsync)
         tmp = f"{final}.{uuid.uuid4().hex[:12]}.partial"
         fd = _open_direct(tmp) if self.direct_io else None
         direct = fd is not None
