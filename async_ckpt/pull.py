@@ -29,7 +29,7 @@ from async_ckpt.layout import (LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRI
                                installed_recovery_scripts, manifest_path, model_parallel_size)
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
-from async_ckpt.storage.local import file_lock
+from async_ckpt.storage.local import LocalStorage, file_lock, fsync_path
 from async_ckpt.verify import check_local_file
 
 logger = logging.getLogger("async_ckpt")
@@ -66,7 +66,9 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
     ``resumable`` keeps partial files under a stable name for the next attempt. Without it (resume's
     cache, which the ranks of a node may share) each fetch uses a temporary name of its own, and a
     file is fetched by one process at a time (:func:`_fetching`): the others then find it cached.
-    ``before_replacing`` is called once, before the first fetched file takes its name.
+    ``before_replacing`` is called once, before the first fetched file takes its name. A resumable
+    fetch (a pull, which stock DeepSpeed then reads unverified) is made durable before it takes its
+    name; resume's cache is verified at every load instead.
     """
     started = time.perf_counter()
     report = PullReport(tag=manifest.tag, dest=tag_dir, files=[e.path for e in entries])
@@ -79,7 +81,11 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
                 if not replaced.is_set():
                     before_replacing()
                     replaced.set()
+        if resumable:
+            fsync_path(tmp)
         os.replace(tmp, dest)
+        if resumable:
+            fsync_path(os.path.dirname(dest))
 
     def fetch(entry: FileEntry) -> int:
         dest = os.path.join(tag_dir, *entry.path.split("/"))
@@ -174,18 +180,15 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     finally:
         bar.close()
     report.dest = dest
-    stored = _stored_manifest(storage, manifest)
-    with open(os.path.join(tag_dir, MANIFEST), "wb") as fh:
-        fh.write(stored)
+    out = LocalStorage(dest, direct_io=False)  # each file written whole, durable, then named
+    out.write_bytes(f"{manifest.tag}/{MANIFEST}", _stored_manifest(storage, manifest))
     for script in RECOVERY_SCRIPTS:
         content = _recovery_script(storage, script)
         if content is None:
             continue
-        with open(os.path.join(dest, script), "wb") as fh:
-            fh.write(content)
+        out.write_bytes(script, content)
         os.chmod(os.path.join(dest, script), 0o755)
-    with open(os.path.join(dest, LATEST_UNIVERSAL if manifest.universal else LATEST), "w") as fh:
-        fh.write(manifest.tag)
+    out.write_bytes(LATEST_UNIVERSAL if manifest.universal else LATEST, manifest.tag.encode())
     logger.info("pulled %s from %s into %s: %d file(s), %.3f GB fetched, %d already there, %.2f s",
                 manifest.tag, storage.url, dest, report.files_fetched, report.bytes_fetched / 1e9,
                 report.files_skipped, report.seconds)

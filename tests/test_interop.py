@@ -9,6 +9,7 @@ of the stock checkpoint.
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import shutil
@@ -169,6 +170,20 @@ def test_pull_refuses_a_dest_holding_files_of_another_save_of_the_tag(zero3, cap
     code, _, err = run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(tmp_path), "--tag", zero3["tag"])
     assert code == 2 and "zero_pp_rank_7_mp_rank_00_optim_states.pt" in err and "another --dest" in err
     assert sorted(os.listdir(stale.parent)) == [stale.name] and not (tmp_path / "latest").exists()
+
+
+def test_pull_makes_each_file_durable_before_it_takes_its_name(zero3, tmp_path, monkeypatch):
+    """Stock DeepSpeed reads a pulled folder without checking it: a crash must not leave a name on a
+    file whose bytes never reached the disk."""
+    pulling = importlib.import_module("async_ckpt.pull")
+    synced, fsync_path = [], pulling.fsync_path
+    monkeypatch.setattr(pulling, "fsync_path", lambda path: synced.append(path) or fsync_path(path))
+    storage = open_storage(str(zero3["local"]))
+    manifest = resolve(storage, zero3["tag"])
+    pull(storage, manifest, str(tmp_path), show_progress=False)
+    partials = sorted(path.removesuffix(".partial") for path in synced if path.endswith(".partial"))
+    assert partials == sorted(str(tmp_path / manifest.tag / entry.path) for entry in manifest.files
+                              if entry.path != MANIFEST)
 
 
 def test_pull_fetches_whole_a_file_whose_kept_part_is_of_another_save(zero3, capsys, tmp_path):
