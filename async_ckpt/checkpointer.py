@@ -251,18 +251,20 @@ class AsyncCheckpointer:
             raise ConfigError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
         waited = self._await_buffers()
         agreed = self._agree(self.storage, tag)
-        entered = time.perf_counter()
-        state = gather_state_dict(self.engine, exclude_frozen_parameters=exclude_frozen_parameters)
-        gathered = time.perf_counter()
-        files = []
-        if self.rank == 0:
-            files.append(self._pool.snapshot(state, f"{tag}/model-*.safetensors", slot_key="consolidated",
-                                             defer=False))
-        snapshot_s = time.perf_counter() - gathered
-        extras_dir = self._save_extras(agreed.save_id)
-        dtype = floating_dtype(state) if state else None
-        if extras_dir is not None and dtype is not None and os.path.isfile(os.path.join(extras_dir, "config.json")):
-            set_config_dtype(os.path.join(extras_dir, "config.json"), dtype)  # the weights' dtype, for from_pretrained
+        with self._handed_over_or_failed(self.storage, tag, agreed):
+            entered = time.perf_counter()
+            state = gather_state_dict(self.engine, exclude_frozen_parameters=exclude_frozen_parameters)
+            gathered = time.perf_counter()
+            files = []
+            if self.rank == 0:
+                files.append(self._pool.snapshot(state, f"{tag}/model-*.safetensors", slot_key="consolidated",
+                                                 defer=False))
+            snapshot_s = time.perf_counter() - gathered
+            extras_dir = self._save_extras(agreed.save_id)
+            dtype = floating_dtype(state) if state else None
+            config = os.path.join(extras_dir, "config.json") if extras_dir is not None else None
+            if config is not None and dtype is not None and os.path.isfile(config):
+                set_config_dtype(config, dtype)  # the weights' dtype, for from_pretrained
         return self._submit(self.storage, tag, agreed, files, CopyTicket([]), started, save_latest=False,
                             extras_dir=extras_dir, consolidated=True, max_shard_bytes=max_shard_bytes,
                             metrics={"buffer_wait_s": waited, "gather_s": gathered - entered,
@@ -535,24 +537,43 @@ class AsyncCheckpointer:
             raise UsageError(f"client_state must be a dict, got {type(client_state).__name__}")
         waited = self._await_buffers()
         agreed = self._agree(storage, tag, tiered=self._local is not None and storage is self.storage)
-        self._session = _Session(self._local if agreed.local else storage)
-        entered = time.perf_counter()
+        target = self._local if agreed.local else storage
+        with self._handed_over_or_failed(target, tag, agreed):
+            self._session = _Session(target)
+            entered = time.perf_counter()
+            try:
+                with deferred_clones(), self._model_states_writer(storage, agreed.local):
+                    type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
+                                                      save_latest=False,
+                                                      exclude_frozen_parameters=exclude_frozen_parameters)
+                files, snapshot_s = self._session.files, self._session.snapshot_s
+            finally:
+                self._session = None
+            deepspeed_s = time.perf_counter() - entered
+            deferred = [pair for f in files for pair in f.deferred]
+            self._staging = self._pool.copy(deferred, background=True, checksum=not self.config.exact_bytes)
+            self._pool.trim_reserve()
+            extras_dir = self._save_extras(agreed.save_id)
+        return self._submit(target, tag, agreed, files, self._staging, started, save_latest=save_latest,
+                            extras_dir=extras_dir, metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,
+                                                            "deepspeed_overhead_s": deepspeed_s - snapshot_s})
+
+    @contextlib.contextmanager
+    def _handed_over_or_failed(self, storage: Storage, tag: str, agreed: _Agreement) -> Iterator[None]:
+        """A save's work between its agreement and its hand-over to the writer. Where it raises on this
+        rank, the writer still takes part in the save's commit, to fail it: rank 0 aborts it at once, and
+        the other ranks' writers do not wait for this rank's files until the commit times out (with the
+        saves queued behind it)."""
         try:
-            with deferred_clones(), self._model_states_writer(storage, agreed.local):
-                type(self.engine).save_checkpoint(self.engine, self._shadow, tag, dict(client_state or {}),
-                                                  save_latest=False,
-                                                  exclude_frozen_parameters=exclude_frozen_parameters)
-            files, snapshot_s = self._session.files, self._session.snapshot_s
-        finally:
-            self._session = None
-        deepspeed_s = time.perf_counter() - entered
-        deferred = [pair for f in files for pair in f.deferred]
-        self._staging = self._pool.copy(deferred, background=True, checksum=not self.config.exact_bytes)
-        self._pool.trim_reserve()
-        return self._submit(self._local if agreed.local else storage, tag, agreed, files, self._staging, started,
-                            save_latest=save_latest, extras_dir=self._save_extras(agreed.save_id),
-                            metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,
-                                     "deepspeed_overhead_s": deepspeed_s - snapshot_s})
+            yield
+        except BaseException as exc:
+            self._writer.submit(SaveJob(
+                tag=tag, save_id=agreed.save_id, storage=storage, rank=self.rank, world_size=self.world_size,
+                files=[], ticket=CopyTicket([]), handle=SaveHandle(tag=tag, url=storage.url),
+                handshake=Handshake(self._store, agreed.save_id, self.rank, self.world_size), save_latest=False,
+                keep_last=None, keep_every=None, metadata={}, overwrites=agreed.overwrites,
+                abandoned=f"{type(exc).__name__}: {exc}"))
+            raise
 
     def _submit(self, storage: Storage, tag: str, agreed: _Agreement, files: list[StagedFile], ticket: CopyTicket,
                 started: float, *, save_latest: bool, extras_dir: str | None, metrics: dict[str, float],

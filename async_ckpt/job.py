@@ -51,6 +51,10 @@ class SaveJob:
     #: ``keep_last`` retention runs each deletion inside ``retention_allowed()``, and only where it yields
     #: true (a drain's commit while a tiered load reads: :meth:`~async_ckpt.drain.Drainer.pause_retention`).
     retention_allowed: Callable[[], ContextManager[bool]] | None = None
+    #: Why ``save()`` raised on this rank after the save was agreed: the writer fails the save through the
+    #: commit handshake, so that rank 0 aborts it at once instead of waiting for this rank's files until
+    #: the commit times out. The failure is not recorded again: the training thread raised it.
+    abandoned: str | None = None
     started: float = field(default_factory=time.perf_counter)
     buffers_free: threading.Event = field(default_factory=threading.Event)
     _reads: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -145,6 +145,9 @@ class BackgroundWriter:
         metrics = job.handle.metrics
         current = "the staging copies"
         try:
+            if job.abandoned is not None:
+                current = "save() on the training thread"
+                raise SaveFailedError(job.abandoned, tag=job.tag)
             started = time.perf_counter()
             metrics["queued_s"] = started - job.started - metrics.get("stall_s", 0.0)
             lent = copied = 0
@@ -256,5 +259,6 @@ class BackgroundWriter:
             except Exception as cleanup_exc:
                 logger.debug("could not remove the start mark of %s: %s", job.tag, cleanup_exc)
         logger.error("%s", error)
-        self._on_failure(error)  # before the handle settles: whoever it wakes finds the failure recorded
+        if job.abandoned is None:  # else save() raised it already
+            self._on_failure(error)  # before the handle settles: whoever it wakes finds the failure recorded
         job.handle._fail(error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import errno
 import logging
 import os
 import time
@@ -395,6 +396,37 @@ def overwrite_that_cannot_uncommit_the_tag(root: str) -> dict:
         raised = _outcome(lambda: ckpt.save(tag="t"))
         after = ckpt.save(tag="u").result(timeout=120).tag  # the ranks are still in step
     return {"raised": raised, "after": after, "t_committed": os.path.exists(f"{root}/t/{MANIFEST}")}
+
+
+class _TokenizerFailingOnce:
+    """A tokenizer whose first save_pretrained raises (the disk of rank 0's shadow folder full, say)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def save_pretrained(self, path: str) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
+            fh.write("{}")
+
+
+def save_that_rank_0_fails_after_the_agreement(root: str) -> dict:
+    """Rank 0's save() raises after the save was agreed (its tokenizer's save fails); rank 1's returned,
+    and its writer waits in the commit for rank 0's files."""
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    with async_ckpt.wrap(engine, root, tokenizer=_TokenizerFailingOnce(), commit_timeout_s=300) as ckpt:
+        handle, raised = None, None
+        try:
+            handle = ckpt.save(tag="bad")
+        except OSError as exc:
+            raised = str(exc)
+        failed = str(handle.exception(timeout=120)) if handle is not None else None
+        after = ckpt.save(tag="after").result(timeout=120).tag
+    return {"raised": raised, "failed": failed, "after": after, "bad_files": _files_under(root, "bad")}
 
 
 def failure_known_to_one_rank_first(root: str) -> dict:

@@ -120,6 +120,15 @@ def test_an_overwrite_rank_0_cannot_uncommit_fails_on_every_rank_and_leaves_the_
         assert seen["t_committed"] and seen["after"] == "u"
 
 
+def test_a_save_that_raises_on_one_rank_after_the_agreement_fails_at_once_on_the_others(ranks, tmp_path):
+    """Before, the other ranks' writers waited for that rank's files until the commit timed out (2 x
+    commit_timeout_s), with the saves queued behind it."""
+    out = ranks.run(rank_tasks.save_that_rank_0_fails_after_the_agreement, str(tmp_path / "ckpt"))
+    assert "No space left on device (injected)" in out[0]["raised"] and out[0]["failed"] is None
+    assert "failed on rank 0 during save() on the training thread" in out[1]["failed"]
+    assert [rank["after"] for rank in out] == ["after"] * 2 and out[0]["bad_files"] == []
+
+
 # ---------------------------------------------------------------- a save DeepSpeed fails; a failing model-states file
 
 
