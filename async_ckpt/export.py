@@ -50,9 +50,10 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
     """Write the consolidated weights of ``manifest``'s tag to ``out_dir`` as a Hugging Face folder.
 
     Tied weights (e.g. ``lm_head.weight`` sharing ``wte.weight``) are written once, as
-    ``save_pretrained`` does; ``from_pretrained`` ties them again from the config. The folder is
-    written beside ``out_dir`` under a ``.partial-`` name and takes its name only once complete: an
-    export that fails or is killed never leaves shards without their index under ``out_dir``.
+    ``save_pretrained`` does; ``from_pretrained`` ties them again from the config. The files are
+    written under a ``.partial-`` folder (beside ``out_dir``, or inside it where it exists) and take
+    their place only once all are complete, the shard index last: an export that fails or is killed
+    leaves no shards without their index in ``out_dir``.
     """
     if manifest.consolidated:
         raise UsageError(f"tag {manifest.tag!r} is a consolidated save: it already is a Hugging Face folder (or "
@@ -83,9 +84,14 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
                 raise ConversionError(f"DeepSpeed's zero_to_fp32 cannot consolidate tag {manifest.tag!r}: {exc}") from exc
         report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
         tensors, report.tied_aliases = without_aliases(state)
-        parent = os.path.dirname(os.path.abspath(out_dir))
-        os.makedirs(parent, exist_ok=True)
-        partial = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial-{uuid.uuid4().hex[:8]}")
+        given = os.path.isdir(out_dir)  # an empty folder (a mount, a symlink, '.'): staged inside it
+        if given:
+            partial = os.path.join(out_dir, f".async_ckpt-export.partial-{uuid.uuid4().hex[:8]}")
+        else:
+            parent = os.path.dirname(os.path.abspath(out_dir))
+            os.makedirs(parent, exist_ok=True)
+            partial = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial-"
+                                           f"{uuid.uuid4().hex[:8]}")
         os.mkdir(partial)
         try:
             _write_shards(cast(tensors, dtype), partial, safetensors, max_shard_bytes, report)
@@ -97,7 +103,12 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
                 report.extra_files.append(entry.path)
             if "config.json" in report.extra_files:
                 set_config_dtype(os.path.join(partial, "config.json"), DTYPES[dtype])
-            os.replace(partial, out_dir)  # an empty out_dir is replaced
+            if given:  # each file up into the folder, the shard index last
+                for name in sorted(os.listdir(partial), key=lambda n: n in (SAFETENSORS_INDEX, TORCH_INDEX)):
+                    os.replace(os.path.join(partial, name), os.path.join(out_dir, name))
+                os.rmdir(partial)
+            else:
+                os.replace(partial, out_dir)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
