@@ -39,10 +39,11 @@ from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError,
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Handshake, Outcome, brief, job_store
 from async_ckpt.job import SaveJob
-from async_ckpt.layout import MANIFEST, manifest_path, model_parallel_size, validate_tag
+from async_ckpt.layout import LATEST, MANIFEST, manifest_path, model_parallel_size, validate_tag
 from async_ckpt.manifest import Manifest
 from async_ckpt.pull import PullReport
-from async_ckpt.resume import check_for_rank, fetch_for_rank, older_committed, rank_files, resolve
+from async_ckpt.resume import (check_for_rank, check_no_other_save, fetch_for_rank, older_committed, rank_files,
+                               resolve)
 from async_ckpt.serialization import in_place, record_offsets
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
@@ -121,6 +122,11 @@ class AsyncCheckpointer:
                              f"got {type(engine).__name__}")
         if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
             raise UsageError(f"tokenizer must have a save_pretrained(dir) method, got {type(tokenizer).__name__}")
+        if getattr(engine, "zero_nvme_offload_optimizer", lambda: False)():
+            raise UsageError("ZeRO-Infinity's NVMe optimizer offload (offload_optimizer.device 'nvme') is not "
+                             "supported yet: DeepSpeed copies its swap files into the save folder itself, outside the "
+                             "checkpoint engine, so the tags async_ckpt commits would lack the optimizer state. "
+                             "Offload to 'cpu', or save with DeepSpeed's own save_checkpoint")
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
@@ -298,7 +304,7 @@ class AsyncCheckpointer:
         manifest = self._agreed_manifest(f"to find the tag to load at {self.storage.url}",
                                          lambda: resolve(self.storage, tag, universal=self._loads_universal()))
         self._check_compatible(manifest)
-        dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
+        dp_rank, mp_rank = self._dp_rank(load_optimizer_states), self._mp_rank()
         load_dir = None
         while True:
             def fetch() -> str | None:
@@ -356,11 +362,37 @@ class AsyncCheckpointer:
     def _deepspeed_load(self, load_dir: str, manifest: Manifest, source: str, **options: bool) -> tuple[str, dict]:
         load = type(self.engine).load_checkpoint
         load = getattr(load, "__wrapped__", load)  # not inflight's hook: it would wait for drains still running
-        path, client_state = load(self.engine, load_dir, manifest.tag, **options)
+        with self._named_by_latest(load_dir, manifest.tag,
+                                   self._weights_from_every_shard(options.get("load_optimizer_states", True))) as root:
+            path, client_state = load(self.engine, root, manifest.tag, **options)
         if path is None:
             raise CheckpointNotFoundError(f"DeepSpeed found no checkpoint files for tag {manifest.tag!r} in {load_dir}")
         logger.info("rank %d resumed from %s/%s (step %d)", self.rank, source, manifest.tag, manifest.step)
         return manifest.tag, client_state or {}
+
+    @contextlib.contextmanager
+    def _named_by_latest(self, root: str, tag: str, needed: bool) -> Iterator[str]:
+        """A root whose ``latest`` names ``tag`` where ``needed``: DeepSpeed's ZeRO-3 load without optimizer
+        states takes the weights (zero_to_fp32) of the tag the root's ``latest`` names, whatever tag it was
+        asked to load. ``root`` itself where its ``latest`` names ``tag``; else, for the load, a folder in
+        ``cache_dir`` holding such a ``latest`` and a link to ``root/tag``."""
+        try:
+            with open(os.path.join(root, LATEST)) as fh:
+                named = fh.read().strip()
+        except FileNotFoundError:
+            named = None
+        if not needed or named == tag:
+            yield root
+            return
+        linked = os.path.join(self.config.cache_dir, "latest-links", uuid.uuid4().hex)
+        os.makedirs(linked)
+        try:
+            os.symlink(os.path.join(os.path.abspath(root), tag), os.path.join(linked, tag))
+            with open(os.path.join(linked, LATEST), "w") as fh:
+                fh.write(tag)
+            yield linked
+        finally:
+            shutil.rmtree(linked, ignore_errors=True)  # the link, not what it names
 
     def _load_tiered(self, tag: str | None, *, fallback: bool, **options: bool) -> tuple[str, dict]:
         """:meth:`load` with a local tier: the newest tag every rank can read from some tier, each rank
@@ -383,7 +415,7 @@ class AsyncCheckpointer:
 
         views = self._gather_checked("to list the committed tags", list_committed)
         local_views, durable_view = [v[0] for v in views], views[0][1]
-        dp_rank, mp_rank = self._dp_rank(), self._mp_rank()
+        dp_rank, mp_rank = self._dp_rank(options.get("load_optimizer_states", True)), self._mp_rank()
         unreadable: str | None = None  # the first tag's problem, once fallen back
         failed: str | None = None  # the last tag that could not be read
         while True:
@@ -393,7 +425,7 @@ class AsyncCheckpointer:
             if chosen is None:
                 raise CheckpointNotFoundError(f"cannot resume from {self.config.local_tier} (local tier) or "
                                               f"{self.storage.url}: {why}")
-            problem, refusal, load_dir, manifest, source = None, None, None, None, ""
+            problem, refusal, error, load_dir, manifest, source = None, None, None, None, None, ""
             try:
                 in_local, in_durable = holds_chosen_save(chosen, local_views[self.rank], local_views, durable_view)
                 load_dir, manifest, source = self._nearest_copy(chosen, in_local, in_durable, dp_rank, mp_rank)
@@ -401,11 +433,19 @@ class AsyncCheckpointer:
                 refusal = str(exc)
             except (VerificationError, CheckpointNotFoundError, StorageError, OSError, UnsupportedManifestError) as exc:
                 problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"  # on every rank at once, below
-            gathered = self._gather((problem, refusal))
-            refusals = [r for _, r in gathered if r]
+            except Exception as exc:  # anything else (a storage client's own error type): raised on every rank below
+                error = exc
+            gathered = self._gather((problem, refusal, brief(error) if error is not None else None))
+            if error is not None:
+                raise error
+            errors = [(rank, text) for rank, (_, _, text) in enumerate(gathered) if text]
+            if errors:
+                raise StorageError(f"rank {errors[0][0]} failed to read tag {chosen!r} ({errors[0][1]}); see that "
+                                   "rank's error for the fix")
+            refusals = [r for _, r, _ in gathered if r]
             if refusals:
                 raise UsageError(refusals[0])
-            problems = [p for p, _ in gathered if p]
+            problems = [p for p, _, _ in gathered if p]
             if not problems:
                 break
             if not fallback:
@@ -434,6 +474,7 @@ class AsyncCheckpointer:
                                if not self._local.exists(f"{tag}/{p}")]
                     if missing:
                         raise CheckpointNotFoundError(f"{self._local.url}/{tag} does not hold {missing[0]}")
+                check_no_other_save(self._local.local_dir(), manifest)
                 log_tier(self.rank, tag, "local", self._local.url)
                 return self._local.local_dir(), manifest, self._local.url
             except (VerificationError, CheckpointNotFoundError) as exc:
@@ -655,6 +696,8 @@ class AsyncCheckpointer:
         overwrites = found is not None and found.committed and (found.replaceable or self.config.overwrite_tags)
         if found is not None:  # before any raise below could drop them; rank 0's tag on every rank
             self._start_drains(found.redrain, skip=views[0].tag if overwrites else None)
+        if overwrites and self._drainer is not None:  # this save replaces the earlier one's files: no retry of it
+            self._drainer.supersede(views[0].tag)
         self._surface_errors([v.failure for v in views])
         if problem is not None:
             raise problem
@@ -812,8 +855,10 @@ class AsyncCheckpointer:
         URL a tag that lacks the others' shards."""
         # a save still in flight here is not undrained: its writer may have committed it on the node folder
         # and not yet handed it to the drainer, which would then drain it twice
+        failed = self._drainer.failed_tags()  # recorded before their handles settle: not in flight
         in_flight = self._drainer.in_flight() | {handle.tag for handle in self._handles
-                                                 if handle.url == self.storage.url and not handle.done()}
+                                                 if handle.url == self.storage.url and not handle.done()
+                                                 and handle.tag not in failed}
         pending = undrained(self._local, self.storage, in_flight)
         self._drain_failed = False  # only once listed: a listing that fails leaves the retry due
         other_size = [m for m in pending if m.world_size != self.world_size]
@@ -1124,13 +1169,21 @@ class AsyncCheckpointer:
             "versions": {"async_ckpt": _version, "deepspeed": deepspeed.__version__, "torch": torch.__version__},
         }
 
-    def _dp_rank(self) -> int | None:
-        """The data-parallel rank whose shards this rank reads on load; ``None`` under ZeRO's
-        ``elastic_checkpoint``, with which DeepSpeed reads every rank's optimizer shard on every rank."""
-        if self.engine.zero_elastic_checkpoint():
+    def _dp_rank(self, load_optimizer_states: bool = True) -> int | None:
+        """The data-parallel rank whose shards this rank reads on load; ``None`` (every rank's) under ZeRO's
+        ``elastic_checkpoint``, with which DeepSpeed reads every rank's optimizer shard on every rank, and
+        where :meth:`_weights_from_every_shard`."""
+        if self.engine.zero_elastic_checkpoint() or self._weights_from_every_shard(load_optimizer_states):
             return None
         group = getattr(self.engine.optimizer, "dp_process_group", None)
         return dist.get_rank(group=group) if dist.is_initialized() else 0
+
+    def _weights_from_every_shard(self, load_optimizer_states: bool) -> bool:
+        """A ZeRO-3 load without optimizer states (and without MoE layers): DeepSpeed rebuilds the weights
+        from every data-parallel rank's shards, with zero_to_fp32."""
+        engine = self.engine
+        return (bool(engine.zero_optimization_partition_weights()) and not load_optimizer_states
+                and not getattr(engine, "has_moe_layers", False))
 
     def _mp_rank(self) -> int:
         """This rank's model-parallel (tensor x pipeline) rank: the ``mp_rank_NN`` of its files."""

@@ -138,6 +138,17 @@ class Drainer:
         with self._lock:
             return set(self._pending.values())
 
+    def failed_tags(self) -> set[str]:
+        """Tags whose last drain attempt failed (recorded before the attempt's handle settles)."""
+        with self._lock:
+            return {job.tag for job in self._failed}
+
+    def supersede(self, tag: str) -> None:
+        """A new save of ``tag`` was agreed as an overwrite: its earlier save's failed drains are retried no
+        more (the retry would copy that save's files from the node folder over the new one at the URL)."""
+        with self._lock:
+            self._failed = [failed for failed in self._failed if failed.tag != tag]
+
     def retry_failed(self) -> list[SaveHandle]:
         """Queue again the drains that failed (the last attempt of each tag), except those older than a tag
         drained since (that would move the URL's ``latest`` back); return their new handles.
@@ -153,7 +164,8 @@ class Drainer:
         for job in failed:
             if newest is not None and job.manifest.recency <= newest:
                 continue
-            retry = DrainJob(manifest=job.manifest, drain_id=f"{job.drain_id}-retry", error=job.error,
+            # keyed by the save, not the attempt: ranks may have kept different attempts of one save
+            retry = DrainJob(manifest=job.manifest, drain_id=f"{job.manifest.save_id}-retry", error=job.error,
                              handle=SaveHandle(tag=job.tag, url=job.handle.url, metrics=dict(job.handle.metrics)))
             retry.handle._commit_local(job.handle.local_result())
             self.submit(retry)

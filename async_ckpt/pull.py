@@ -29,7 +29,7 @@ from async_ckpt.layout import (LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRI
                                installed_recovery_scripts, manifest_path, model_parallel_size)
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
-from async_ckpt.storage.local import LocalStorage, file_lock, fsync_path
+from async_ckpt.storage.local import LocalStorage, file_lock, fsync_path, make_folders
 from async_ckpt.verify import check_local_file
 
 logger = logging.getLogger("async_ckpt")
@@ -100,7 +100,7 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
             if progress:
                 progress(entry.size)
             return -1
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        make_folders(os.path.dirname(dest), fsync=resumable)
         # a name of its own per fetch: ranks of a node, or nodes sharing a cache_dir, may fetch one file at once
         tmp = f"{dest}.partial" if resumable else f"{dest}.{uuid.uuid4().hex}.partial"
         resumed = resumable and os.path.exists(tmp)
@@ -157,7 +157,7 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
         raise UsageError(f"--dest {dest} is a file; pull into a folder")
     paths = [f.path for f in manifest.files]
     tag_dir = os.path.join(dest, manifest.tag)
-    others = _files_of_another_save(tag_dir, paths)
+    others = files_of_another_save(tag_dir, paths)
     if others:
         raise UsageError(f"{tag_dir} holds files that tag {manifest.tag!r} at {storage.url} does not list "
                          f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): another save of that tag, "
@@ -171,7 +171,7 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
         keep = set(files_for_rank(paths, rank)) | {p for p in paths if not p.endswith(".pt")}
         paths = [p for p in paths if p in keep]
     entries = [manifest.entry(p) for p in paths]
-    os.makedirs(tag_dir, exist_ok=True)
+    make_folders(tag_dir)
     total = sum(e.size for e in entries)
     bar = _ProgressBar(total, f"pull {manifest.tag}", show_progress)
     try:
@@ -235,7 +235,7 @@ def _unlabel_another_save(dest: str, tag_dir: str, manifest: Manifest) -> None:
         os.remove(path)
 
 
-def _files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:
+def files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:
     """DeepSpeed files already in ``tag_dir`` that the manifest does not list (an earlier pull's leftovers
     of the same file, ``.partial``, count as its own)."""
     listed = set(paths)

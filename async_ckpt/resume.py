@@ -17,7 +17,7 @@ from async_ckpt.catalog import inspect_latest, list_tags, read_manifest, refuse_
 from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
-from async_ckpt.pull import PullReport, download
+from async_ckpt.pull import PullReport, download, files_of_another_save
 from async_ckpt.verify import check_stored_file
 from async_ckpt.storage.base import Storage
 
@@ -108,6 +108,16 @@ def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, mp
                                     "truncated")
 
 
+def check_no_other_save(root: str, manifest: Manifest) -> None:
+    """A tag folder read in place must hold no DeepSpeed file its manifest does not list (of an earlier save
+    of the tag, in another layout): DeepSpeed's loaders glob the folder and would read it with this save's."""
+    others = files_of_another_save(os.path.join(root, manifest.tag), [f.path for f in manifest.files])
+    if others:
+        raise VerificationError(f"{root}/{manifest.tag} holds files its manifest does not list "
+                                f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): another save's, which "
+                                "DeepSpeed's loaders would read with this one's. Move them away, or load another tag")
+
+
 def rank_files(manifest: Manifest, dp_rank: int | None, mp_rank: int | None = None) -> list[str]:
     """The files of a tag that a rank (``dp_rank``, and ``mp_rank`` under tensor/pipeline parallelism)
     reads when loading it: its share (see :func:`files_for_rank`), or all of a universal tag."""
@@ -139,6 +149,7 @@ def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, ca
     """Fetch what ``dp_rank`` needs of ``manifest`` into the cache; return the folder to load from."""
     local = storage.local_dir()
     if local is not None:
+        check_no_other_save(local, manifest)
         return local, PullReport(tag=manifest.tag, dest=local)
     root = cache_root(cache_dir, storage.url, manifest)
     wanted = [manifest.entry(p) for p in rank_files(manifest, dp_rank, mp_rank)]

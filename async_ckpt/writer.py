@@ -114,7 +114,7 @@ class BackgroundWriter:
                 self._execute(job)
             except BaseException as exc:  # noqa: BLE001 - a dead writer would leave every later save waiting
                 self._failed_outside_write(job, exc)
-            if self._on_done is not None and job.handle.done():
+            if self._on_done is not None and job.handle.done() and job.abandoned is None:  # else save() raised
                 try:
                     self._on_done(job.handle)
                 except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread

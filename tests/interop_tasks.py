@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 import async_ckpt
 from async_ckpt import workload
-from rank_tasks import STEPS_AFTER, STEPS_BEFORE
+from rank_tasks import STEPS_AFTER, STEPS_BEFORE, _outcome
 
 PROBE_IDS = torch.arange(2, 26).unsqueeze(0)  # one fixed prompt for comparing logits
 
@@ -29,6 +31,25 @@ def train_and_save_everywhere(stage: int, local_root: str, s3_url: str, options:
     with torch.no_grad():
         logits = engine(input_ids=PROBE_IDS).logits.float()
     return {"tags": tags, "logits": logits}
+
+
+def load_weights_only(source: str, options: dict | None, tag: str, cache_dir: str) -> dict:
+    """A new ZeRO-3 job loads ``tag`` without optimizer states, each rank with a cache of its own (as on
+    nodes of their own); returns its logits on :data:`PROBE_IDS`."""
+    engine = workload.make_engine(3, "fp32", seed=4321)
+    with async_ckpt.wrap(engine, source, storage_options=options,
+                         cache_dir=os.path.join(cache_dir, f"rank{dist.get_rank()}")) as ckpt:
+        ckpt.load(tag=tag, load_optimizer_states=False)
+    engine.module.eval()
+    with torch.no_grad():
+        return {"logits": engine(input_ids=PROBE_IDS).logits.float()}
+
+
+def load_tag(source: str, tag: str) -> dict:
+    """A new ZeRO-3 job loads ``tag`` from ``source``: ``None`` or (error type, message)."""
+    engine = workload.make_engine(3, "fp32", seed=4321)
+    with async_ckpt.wrap(engine, source) as ckpt:
+        return {"load": _outcome(lambda: ckpt.load(tag=tag))}
 
 
 def resume_universal(stage: int, source: str, options: dict | None, via_async: bool) -> dict:

@@ -251,6 +251,9 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
     out["bad_keep_last"] = _outcome(lambda: async_ckpt.wrap(engine, root, keep_last=0))
     out["bad_on_error"] = _outcome(lambda: async_ckpt.wrap(engine, root, on_error="explode"))
     out["unknown_option"] = _outcome(lambda: async_ckpt.wrap(engine, root, overlap=True))
+    engine.zero_nvme_offload_optimizer = lambda: True  # as an engine with offload_optimizer.device 'nvme' answers
+    out["nvme_offload"] = _outcome(lambda: async_ckpt.wrap(engine, root))
+    del engine.zero_nvme_offload_optimizer
     ckpt = async_ckpt.wrap(engine, root)
     dist.barrier()  # every rank's wrap probe file is gone before the listing
     before = sorted(os.listdir(root))
@@ -418,7 +421,9 @@ def save_that_rank_0_fails_after_the_agreement(root: str) -> dict:
     and its writer waits in the commit for rank 0's files."""
     engine = workload.make_engine(2, "fp32")
     workload.train(engine, 1, _tokens(), _rank())
-    with async_ckpt.wrap(engine, root, tokenizer=_TokenizerFailingOnce(), commit_timeout_s=300) as ckpt:
+    done = []
+    with async_ckpt.wrap(engine, root, tokenizer=_TokenizerFailingOnce(), commit_timeout_s=300,
+                         on_save_done=lambda handle: done.append(handle.tag)) as ckpt:
         handle, raised = None, None
         try:
             handle = ckpt.save(tag="bad")
@@ -426,7 +431,7 @@ def save_that_rank_0_fails_after_the_agreement(root: str) -> dict:
             raised = str(exc)
         failed = str(handle.exception(timeout=120)) if handle is not None else None
         after = ckpt.save(tag="after").result(timeout=120).tag
-    return {"raised": raised, "failed": failed, "after": after, "bad_files": _files_under(root, "bad")}
+    return {"raised": raised, "failed": failed, "after": after, "bad_files": _files_under(root, "bad"), "done": done}
 
 
 def failure_known_to_one_rank_first(root: str) -> dict:

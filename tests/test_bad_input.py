@@ -107,6 +107,12 @@ def test_invalid_option_fails_at_wrap(outcomes, case, kind):
     assert outcomes[0][case][0] == kind
 
 
+def test_nvme_optimizer_offload_is_refused_at_wrap_naming_what_to_use(outcomes):
+    """DeepSpeed copies its swap files into the save folder outside the checkpoint engine: they would be lost."""
+    kind, message = outcomes[0]["nvme_offload"]
+    assert kind == "UsageError" and "NVMe optimizer offload" in message and "Offload to 'cpu'" in message
+
+
 def test_load_without_any_checkpoint_says_so(outcomes):
     kind, message = outcomes[0]["load_when_empty"]
     assert kind == "CheckpointNotFoundError" and "latest" in message

@@ -388,6 +388,16 @@ def test_an_export_that_fails_leaves_no_folder_under_its_name_and_names_tmpdir(z
     assert os.listdir(tmp_path) == []
 
 
+def test_export_into_an_empty_folder_given_through_a_symlink_fills_it(zero3, capsys, tmp_path):
+    """A folder given (a mount point, a symlink, '.') is filled, not replaced: renaming onto it fails."""
+    (tmp_path / "volume").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "volume")
+    code, out, _ = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path / "out"), "--json")
+    assert code == 0 and sorted(os.listdir(tmp_path / "volume")) == sorted(
+        json.loads(out)["shards"] + json.loads(out)["extra_files"] + ["model.safetensors.index.json"])
+    assert (tmp_path / "out").is_symlink()
+
+
 def test_export_of_a_missing_tag_is_a_clear_error(zero3, capsys, tmp_path):
     code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--tag", "nope", "--out", str(tmp_path / "hf"))
     assert code == 2 and "'nope' not found" in err and not (tmp_path / "hf").exists()
@@ -397,6 +407,30 @@ def test_export_into_a_non_empty_folder_is_refused(zero3, capsys, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path))
     assert code == 2 and "not empty" in err and (tmp_path / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["s3", "a local root whose latest names another tag"])
+def test_a_zero3_load_without_optimizer_states_gets_the_saved_weights(zero3, ranks, s3, where, tmp_path):
+    """DeepSpeed rebuilds the weights from every rank's shards of the tag the root's 'latest' names."""
+    if where == "s3":
+        source, opts, tag = zero3["url"], options(s3.endpoint), zero3["s3_tag"]
+    else:
+        source, opts, tag = str(tmp_path / "root"), None, zero3["tag"]
+        shutil.copytree(zero3["local"] / tag, tmp_path / "root" / tag)
+        (tmp_path / "root" / "latest").write_text("an_older_tag")
+    for rank in ranks.run(interop_tasks.load_weights_only, source, opts, tag, str(tmp_path / "cache")):
+        torch.testing.assert_close(rank["logits"], zero3["logits"])
+
+
+def test_a_tag_folder_read_in_place_with_files_of_another_save_is_refused_naming_them(zero3, ranks, tmp_path):
+    """A killed save of the tag in another layout left a shard its manifest does not list: DeepSpeed's globs
+    (zero_to_fp32, elastic loads) would read it with this save's."""
+    tag = zero3["tag"]
+    shutil.copytree(zero3["local"] / tag, tmp_path / "root" / tag)
+    (tmp_path / "root" / tag / "zero_pp_rank_7_mp_rank_00_optim_states.pt").write_bytes(b"an older save's shard")
+    for rank in ranks.run(interop_tasks.load_tag, str(tmp_path / "root"), tag):
+        kind, message = rank["load"]
+        assert kind == "VerificationError" and "zero_pp_rank_7_mp_rank_00_optim_states.pt" in message
 
 
 # ---- universal --------------------------------------------------------------------------------

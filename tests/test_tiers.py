@@ -323,6 +323,15 @@ def test_a_save_committed_locally_but_not_yet_handed_to_its_drain_is_not_listed_
     assert len(listed) == 2 and all(line.endswith(": first") for line in listed)
 
 
+def test_a_tiered_load_that_fails_on_one_rank_with_any_error_raises_on_every_rank(ranks, tmp_path):
+    """Before, an error of a type the load did not expect left the other ranks waiting in its collective."""
+    out = ranks.run(tier_tasks.load_that_fails_on_rank_1_with_a_client_error, str(tmp_path / "durable"),
+                    str(tmp_path), timeout_s=240)
+    assert out[1]["load"] == ("RuntimeError", "injected: the storage client's own error")
+    kind, message = out[0]["load"]
+    assert kind == "StorageError" and "rank 1 failed to read tag 'a'" in message
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     yield from rank_group(1)
@@ -476,7 +485,7 @@ def test_a_tag_whose_drain_failed_twice_is_retried_once_for_its_last_attempt(tmp
         assert len(retries) == 1
         with pytest.raises(SaveFailedError):
             retries[0].result(timeout=60)
-        assert failed == ["first", "second", "second-retry"]
+        assert failed == ["first", "second", f"{read_manifest(local, 'a').save_id}-retry"]
     finally:
         drainer.stop()
         assert drainer.join(30)
@@ -486,6 +495,26 @@ def test_a_local_tier_folder_that_is_gone_has_no_room_rather_than_raising(tmp_pa
     """Checked on each rank before the save's collective: a raise on one node would hang the others."""
     fits, why = room_for(str(tmp_path / "wiped"), 1, None)
     assert not fits and "cannot check the room in" in why and "wiped" in why
+
+
+def test_a_tag_a_later_save_overwrites_is_not_retried_from_its_earlier_save(tmp_path):
+    """The overwrite may go straight to the URL (a full local tier): a retry at close would copy the earlier
+    save's files, still in the node folder, over it there."""
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    commit_by_hand(local, "a", 1, saved_at=1.7e9)
+    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, None, None, 2, True), 60.0,
+                            lambda error, job: None)
+    try:
+        job = _failing_drain(read_manifest(local, "a"), "first", durable.url)
+        drainer.submit(job)
+        with pytest.raises(SaveFailedError):
+            job.handle.result(timeout=60)
+        assert drainer.failed_tags() == {"a"}
+        drainer.supersede("a")
+        assert drainer.retry_failed() == [] and drainer.failed_tags() == set()
+    finally:
+        drainer.stop()
+        assert drainer.join(30)
 
 
 def test_a_restart_takes_the_newest_tag_every_rank_can_read_from_some_tier():

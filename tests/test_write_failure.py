@@ -127,6 +127,7 @@ def test_a_save_that_raises_on_one_rank_after_the_agreement_fails_at_once_on_the
     assert "No space left on device (injected)" in out[0]["raised"] and out[0]["failed"] is None
     assert "failed on rank 0 during save() on the training thread" in out[1]["failed"]
     assert [rank["after"] for rank in out] == ["after"] * 2 and out[0]["bad_files"] == []
+    assert [rank["done"] for rank in out] == [["after"], ["bad", "after"]]  # rank 0's save() raised it
 
 
 # ---------------------------------------------------------------- a save DeepSpeed fails; a failing model-states file

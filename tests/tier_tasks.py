@@ -224,6 +224,19 @@ def listing_while_a_save_is_handed_to_its_drain(durable: str, work: str) -> dict
     return {"listed": [line for line in log if "resuming the drain" in line]}
 
 
+def load_that_fails_on_rank_1_with_a_client_error(durable: str, work: str) -> dict:
+    """A tiered load whose read of the chosen tag raises, on rank 1 only, an error of the storage client's
+    own type (not an OSError), as botocore's ClientError is."""
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank())) as ckpt:
+        ckpt.save(tag="a").result(timeout=120)
+        if _rank() == 1:
+            def client_error(*args, **kwargs):
+                raise RuntimeError("injected: the storage client's own error")
+            ckpt._nearest_copy = client_error
+        return {"load": _outcome(ckpt.load)}
+
+
 def load_while_a_drain_fails_on_one_rank(durable: str, work: str) -> dict:
     """Rank 1's drain of 'first' fails at once; rank 0's upload is held at a gate, still running, when both
     call load() with on_error="raise"."""
