@@ -372,24 +372,24 @@ class AsyncCheckpointer:
 
     @contextlib.contextmanager
     def _named_by_latest(self, root: str, tag: str, needed: bool) -> Iterator[str]:
-        """A root whose ``latest`` names ``tag`` where ``needed``: DeepSpeed's ZeRO-3 load without optimizer
+        """Where ``needed``, a root whose ``latest`` names ``tag``: DeepSpeed's ZeRO-3 load without optimizer
         states takes the weights (zero_to_fp32) of the tag the root's ``latest`` names, whatever tag it was
-        asked to load. ``root`` itself where its ``latest`` names ``tag``; else, for the load, a folder in
-        ``cache_dir`` holding such a ``latest`` and a link to ``root/tag``."""
-        try:
-            with open(os.path.join(root, LATEST)) as fh:
-                named = fh.read().strip()
-        except FileNotFoundError:
-            named = None
-        if not needed or named == tag:
+        asked to load. A folder in ``cache_dir`` holding such a ``latest`` and a link to ``root/tag``, made
+        on every rank in a gathered step (a rank that cannot make it raises with the others), removed after
+        the load."""
+        if not needed:
             yield root
             return
         linked = os.path.join(self.config.cache_dir, "latest-links", uuid.uuid4().hex)
-        os.makedirs(linked)
-        try:
+
+        def link() -> None:
+            os.makedirs(linked)
             os.symlink(os.path.join(os.path.abspath(root), tag), os.path.join(linked, tag))
             with open(os.path.join(linked, LATEST), "w") as fh:
                 fh.write(tag)
+
+        try:
+            self._gather_checked(f"to link tag {tag!r} for DeepSpeed's ZeRO-3 load without optimizer states", link)
             yield linked
         finally:
             shutil.rmtree(linked, ignore_errors=True)  # the link, not what it names
@@ -474,7 +474,7 @@ class AsyncCheckpointer:
                                if not self._local.exists(f"{tag}/{p}")]
                     if missing:
                         raise CheckpointNotFoundError(f"{self._local.url}/{tag} does not hold {missing[0]}")
-                check_no_other_save(self._local.local_dir(), manifest)
+                check_no_other_save(self._local.local_dir(), manifest, dp_rank)
                 log_tier(self.rank, tag, "local", self._local.url)
                 return self._local.local_dir(), manifest, self._local.url
             except (VerificationError, CheckpointNotFoundError) as exc:
@@ -1179,11 +1179,11 @@ class AsyncCheckpointer:
         return dist.get_rank(group=group) if dist.is_initialized() else 0
 
     def _weights_from_every_shard(self, load_optimizer_states: bool) -> bool:
-        """A ZeRO-3 load without optimizer states (and without MoE layers): DeepSpeed rebuilds the weights
-        from every data-parallel rank's shards, with zero_to_fp32."""
+        """A ZeRO-3 load without optimizer states (not of a universal tag, without MoE layers): DeepSpeed
+        rebuilds the weights from every data-parallel rank's shards, with zero_to_fp32."""
         engine = self.engine
         return (bool(engine.zero_optimization_partition_weights()) and not load_optimizer_states
-                and not getattr(engine, "has_moe_layers", False))
+                and not getattr(engine, "has_moe_layers", False) and not self._loads_universal())
 
     def _mp_rank(self) -> int:
         """This rank's model-parallel (tensor x pipeline) rank: the ``mp_rank_NN`` of its files."""

@@ -30,6 +30,7 @@ from async_ckpt.storage.base import Storage
 logger = logging.getLogger("async_ckpt")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PARTIAL = ".async_ckpt-export.partial-"  # the folder an export into an existing --out is staged in
 
 
 @dataclass
@@ -67,8 +68,12 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
         raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"--out {out_dir} is a file; export into a new or empty folder")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
+    if os.path.isdir(out_dir):
+        for name in os.listdir(out_dir):
+            if name.startswith(_PARTIAL):  # what an export killed there left
+                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+        if os.listdir(out_dir):
+            raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     local = storage.local_dir()
@@ -86,7 +91,7 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
         tensors, report.tied_aliases = without_aliases(state)
         given = os.path.isdir(out_dir)  # an empty folder (a mount, a symlink, '.'): staged inside it
         if given:
-            partial = os.path.join(out_dir, f".async_ckpt-export.partial-{uuid.uuid4().hex[:8]}")
+            partial = os.path.join(out_dir, f"{_PARTIAL}{uuid.uuid4().hex[:8]}")
         else:
             parent = os.path.dirname(os.path.abspath(out_dir))
             os.makedirs(parent, exist_ok=True)

@@ -236,15 +236,17 @@ def _unlabel_another_save(dest: str, tag_dir: str, manifest: Manifest) -> None:
 
 
 def files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:
-    """DeepSpeed files already in ``tag_dir`` that the manifest does not list (an earlier pull's leftovers
-    of the same file, ``.partial``, count as its own)."""
+    """DeepSpeed's shards (``*_model_states.pt``, ``*_optim_states.pt``: what its loaders glob) already in
+    ``tag_dir`` that the manifest does not list (an earlier pull's leftovers of the same file,
+    ``.partial``, count as its own)."""
     listed = set(paths)
     found = []
     for folder, subfolders, names in os.walk(tag_dir):
         subfolders[:] = [s for s in subfolders if s != _LOCKS_DIR]
         for name in names:
             path = os.path.relpath(os.path.join(folder, name), tag_dir).replace(os.sep, "/")
-            if path.removesuffix(".partial") not in listed and path.endswith((".pt", ".pt.partial")):
+            shard = path.removesuffix(".partial")
+            if shard not in listed and shard.endswith(("_model_states.pt", "_optim_states.pt")):
                 found.append(path)
     return sorted(found)
 

@@ -108,12 +108,16 @@ def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, mp
                                     "truncated")
 
 
-def check_no_other_save(root: str, manifest: Manifest) -> None:
-    """A tag folder read in place must hold no DeepSpeed file its manifest does not list (of an earlier save
-    of the tag, in another layout): DeepSpeed's loaders glob the folder and would read it with this save's."""
+def check_no_other_save(root: str, manifest: Manifest, dp_rank: int | None) -> None:
+    """Where a load reads every rank's shards (``dp_rank`` None: ``elastic_checkpoint``, a ZeRO-3 load
+    without optimizer states), the tag folder read in place must hold no DeepSpeed shard its manifest does
+    not list (of an earlier save of the tag, in another layout): DeepSpeed globs the folder for them and
+    would read it with this save's. A load of this rank's own shards reads them by name, and goes on."""
+    if dp_rank is not None or manifest.universal:
+        return
     others = files_of_another_save(os.path.join(root, manifest.tag), [f.path for f in manifest.files])
     if others:
-        raise VerificationError(f"{root}/{manifest.tag} holds files its manifest does not list "
+        raise VerificationError(f"{root}/{manifest.tag} holds DeepSpeed shards its manifest does not list "
                                 f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): another save's, which "
                                 "DeepSpeed's loaders would read with this one's. Move them away, or load another tag")
 
@@ -149,7 +153,7 @@ def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, ca
     """Fetch what ``dp_rank`` needs of ``manifest`` into the cache; return the folder to load from."""
     local = storage.local_dir()
     if local is not None:
-        check_no_other_save(local, manifest)
+        check_no_other_save(local, manifest, dp_rank)
         return local, PullReport(tag=manifest.tag, dest=local)
     root = cache_root(cache_dir, storage.url, manifest)
     wanted = [manifest.entry(p) for p in rank_files(manifest, dp_rank, mp_rank)]

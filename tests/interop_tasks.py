@@ -45,11 +45,11 @@ def load_weights_only(source: str, options: dict | None, tag: str, cache_dir: st
         return {"logits": engine(input_ids=PROBE_IDS).logits.float()}
 
 
-def load_tag(source: str, tag: str) -> dict:
+def load_tag(source: str, tag: str, load_optimizer_states: bool) -> dict:
     """A new ZeRO-3 job loads ``tag`` from ``source``: ``None`` or (error type, message)."""
     engine = workload.make_engine(3, "fp32", seed=4321)
     with async_ckpt.wrap(engine, source) as ckpt:
-        return {"load": _outcome(lambda: ckpt.load(tag=tag))}
+        return {"load": _outcome(lambda: ckpt.load(tag=tag, load_optimizer_states=load_optimizer_states))}
 
 
 def resume_universal(stage: int, source: str, options: dict | None, via_async: bool) -> dict:

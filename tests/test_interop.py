@@ -398,6 +398,14 @@ def test_export_into_an_empty_folder_given_through_a_symlink_fills_it(zero3, cap
     assert (tmp_path / "out").is_symlink()
 
 
+def test_export_into_a_folder_a_killed_export_left_its_partial_folder_in_goes_ahead(zero3, capsys, tmp_path):
+    leftover = tmp_path / "out" / ".async_ckpt-export.partial-deadbeef"
+    leftover.mkdir(parents=True)
+    (leftover / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    code, _, _ = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path / "out"))
+    assert code == 0 and not leftover.exists() and (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
 def test_export_of_a_missing_tag_is_a_clear_error(zero3, capsys, tmp_path):
     code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--tag", "nope", "--out", str(tmp_path / "hf"))
     assert code == 2 and "'nope' not found" in err and not (tmp_path / "hf").exists()
@@ -422,15 +430,20 @@ def test_a_zero3_load_without_optimizer_states_gets_the_saved_weights(zero3, ran
         torch.testing.assert_close(rank["logits"], zero3["logits"])
 
 
-def test_a_tag_folder_read_in_place_with_files_of_another_save_is_refused_naming_them(zero3, ranks, tmp_path):
-    """A killed save of the tag in another layout left a shard its manifest does not list: DeepSpeed's globs
-    (zero_to_fp32, elastic loads) would read it with this save's."""
+@pytest.mark.parametrize("optimizer_states", [False, True], ids=["every-shard", "own-shard"])
+def test_a_tag_folder_read_in_place_with_shards_of_another_save(zero3, ranks, tmp_path, optimizer_states):
+    """A killed save of the tag in another layout left a shard its manifest does not list. A load that reads
+    every rank's shards (DeepSpeed globs them: here ZeRO-3 without optimizer states) is refused naming it;
+    one that reads each rank's own shards by name goes on."""
     tag = zero3["tag"]
     shutil.copytree(zero3["local"] / tag, tmp_path / "root" / tag)
     (tmp_path / "root" / tag / "zero_pp_rank_7_mp_rank_00_optim_states.pt").write_bytes(b"an older save's shard")
-    for rank in ranks.run(interop_tasks.load_tag, str(tmp_path / "root"), tag):
-        kind, message = rank["load"]
-        assert kind == "VerificationError" and "zero_pp_rank_7_mp_rank_00_optim_states.pt" in message
+    for rank in ranks.run(interop_tasks.load_tag, str(tmp_path / "root"), tag, optimizer_states):
+        if optimizer_states:
+            assert rank["load"] is None
+        else:
+            kind, message = rank["load"]
+            assert kind == "VerificationError" and "zero_pp_rank_7_mp_rank_00_optim_states.pt" in message
 
 
 # ---- universal --------------------------------------------------------------------------------
