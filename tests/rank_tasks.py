@@ -368,8 +368,9 @@ def deepspeed_failing_after_the_model_states(root: str, fail_model_states: bool 
     return seen
 
 
-def failing_overwrite_of_a_committed_tag(root: str) -> dict:
-    """With overwrite_tags, rank 1's write of a second save of the committed tag 't' fails."""
+@contextlib.contextmanager
+def _overwriting_committed_t(root: str, faults: dict) -> Iterator[async_ckpt.AsyncCheckpointer]:
+    """Tag 't' committed in ``faulty://root``, then a checkpointer with ``overwrite_tags`` and ``faults``."""
     from faulty_fs import register
 
     register()
@@ -377,8 +378,13 @@ def failing_overwrite_of_a_committed_tag(root: str) -> dict:
     workload.train(engine, 1, _tokens(), _rank())
     with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
         ckpt.save(tag="t").result(timeout=60)
-    faults = {"fail_ranks": [1]}
     with async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, overwrite_tags=True) as ckpt:
+        yield ckpt
+
+
+def failing_overwrite_of_a_committed_tag(root: str) -> dict:
+    """With overwrite_tags, rank 1's write of a second save of the committed tag 't' fails."""
+    with _overwriting_committed_t(root, {"fail_ranks": [1]}) as ckpt:
         error = ckpt.save(tag="t").exception(timeout=120)
     dist.barrier()
     return {"handle_error": str(error), "t_committed": os.path.exists(f"{root}/t/async_ckpt_manifest.json"),
@@ -387,15 +393,7 @@ def failing_overwrite_of_a_committed_tag(root: str) -> dict:
 
 def overwrite_that_cannot_uncommit_the_tag(root: str) -> dict:
     """With overwrite_tags, rank 0 may not delete the committed tag's manifest (permission denied)."""
-    from faulty_fs import register
-
-    register()
-    engine = workload.make_engine(2, "fp32")
-    workload.train(engine, 1, _tokens(), _rank())
-    with async_ckpt.wrap(engine, f"faulty://{root}") as ckpt:
-        ckpt.save(tag="t").result(timeout=60)
-    faults = {"fail_rm": MANIFEST}
-    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults, overwrite_tags=True) as ckpt:
+    with _overwriting_committed_t(root, {"fail_rm": MANIFEST}) as ckpt:
         raised = _outcome(lambda: ckpt.save(tag="t"))
         after = ckpt.save(tag="u").result(timeout=120).tag  # the ranks are still in step
     return {"raised": raised, "after": after, "t_committed": os.path.exists(f"{root}/t/{MANIFEST}")}
