@@ -418,6 +418,9 @@ class AsyncCheckpointer:
         dp_rank, mp_rank = self._dp_rank(options.get("load_optimizer_states", True)), self._mp_rank()
         unreadable: str | None = None  # the first tag's problem, once fallen back
         failed: str | None = None  # the last tag that could not be read
+        load_dir: str | None = None
+        manifest: Manifest | None = None
+        source = ""
         while True:
             chosen, why = choose_tag(tag, local_views, durable_view, older_than=failed)
             if chosen is None and unreadable is not None:
@@ -425,27 +428,26 @@ class AsyncCheckpointer:
             if chosen is None:
                 raise CheckpointNotFoundError(f"cannot resume from {self.config.local_tier} (local tier) or "
                                               f"{self.storage.url}: {why}")
-            problem, refusal, error, load_dir, manifest, source = None, None, None, None, None, ""
-            try:
-                in_local, in_durable = holds_chosen_save(chosen, local_views[self.rank], local_views, durable_view)
-                load_dir, manifest, source = self._nearest_copy(chosen, in_local, in_durable, dp_rank, mp_rank)
-            except UsageError as exc:  # a layout this job cannot load: raised on every rank below, no fallback
-                refusal = str(exc)
-            except (VerificationError, CheckpointNotFoundError, StorageError, OSError, UnsupportedManifestError) as exc:
-                problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"  # on every rank at once, below
-            except Exception as exc:  # anything else (a storage client's own error type): raised on every rank below
-                error = exc
-            gathered = self._gather((problem, refusal, brief(error) if error is not None else None))
-            if error is not None:
-                raise error
-            errors = [(rank, text) for rank, (_, _, text) in enumerate(gathered) if text]
-            if errors:
-                raise StorageError(f"rank {errors[0][0]} failed to read tag {chosen!r} ({errors[0][1]}); see that "
-                                   "rank's error for the fix")
-            refusals = [r for _, r, _ in gathered if r]
+            def nearest() -> tuple[str | None, str | None]:
+                """``(problem, refusal)`` of this rank's nearest copy of ``chosen``, each for every rank to act
+                on at once; any other error (a storage client's own type too) is raised on every rank."""
+                nonlocal load_dir, manifest, source
+                try:
+                    in_local, in_durable = holds_chosen_save(chosen, local_views[self.rank], local_views,
+                                                             durable_view)
+                    load_dir, manifest, source = self._nearest_copy(chosen, in_local, in_durable, dp_rank, mp_rank)
+                except UsageError as exc:  # a layout this job cannot load: raised on every rank, no fallback
+                    return None, str(exc)
+                except (VerificationError, CheckpointNotFoundError, StorageError, OSError,
+                        UnsupportedManifestError) as exc:
+                    return f"rank {self.rank}: {type(exc).__name__}: {exc}", None
+                return None, None
+
+            gathered = self._gather_checked(f"to read tag {chosen!r}", nearest)
+            refusals = [r for _, r in gathered if r]
             if refusals:
                 raise UsageError(refusals[0])
-            problems = [p for p, _, _ in gathered if p]
+            problems = [p for p, _ in gathered if p]
             if not problems:
                 break
             if not fallback:
