@@ -112,7 +112,7 @@ class Drainer:
         committed; and a later save of the tag replaced the earlier save's files in the node folder)."""
         with self._lock:
             self._pending[job.drain_id] = job.tag
-            self._failed = [failed for failed in self._failed if failed.tag != job.tag]
+            self._forget_failures(job.tag)
         self._queue.put(job)
 
     def pause_retention(self) -> None:
@@ -147,7 +147,11 @@ class Drainer:
         """A new save of ``tag`` was agreed as an overwrite: its earlier save's failed drains are retried no
         more (the retry would copy that save's files from the node folder over the new one at the URL)."""
         with self._lock:
-            self._failed = [failed for failed in self._failed if failed.tag != tag]
+            self._forget_failures(tag)
+
+    def _forget_failures(self, tag: str) -> None:
+        """Drop the failed attempts of ``tag`` (the caller holds ``_lock``)."""
+        self._failed = [failed for failed in self._failed if failed.tag != tag]
 
     def retry_failed(self) -> list[SaveHandle]:
         """Queue again the drains that failed (the last attempt of each tag), except those older than a tag
@@ -290,7 +294,8 @@ class Drainer:
                                   "tag reaches the URL first (it then stays on the local tier only)", tag=job.tag)
         logger.error("rank %d: %s", self._rank, failure)
         with self._lock:  # drains run in order: this attempt supersedes the tag's earlier failed ones
-            self._failed = [failed for failed in self._failed if failed.tag != job.tag] + [job]
+            self._forget_failures(job.tag)
+            self._failed.append(job)
             self._pending.pop(job.drain_id, None)  # before the handle settles: a save that sees it fail drains it again
         self._on_failure(failure, job)
         job.handle._fail(failure)
