@@ -461,18 +461,18 @@ class S3Storage(FsspecStorage):
         return fsspec.asyn.sync(self.fs.loop, newest_part)
 
     def abort_upload(self, relpath: str, upload_id: str) -> None:
-        key = self._key(relpath)
+        fsspec.asyn.sync(self.fs.loop, self._abort_upload, self._key(relpath), upload_id)
 
-        async def abort() -> None:
-            s3 = await self._client()
-            try:
-                await self.retry.run(f"abort {key}", lambda: s3.abort_multipart_upload(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id))
-            except botocore.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") != "NoSuchUpload":  # else completed or aborted since
-                    raise
-
-        fsspec.asyn.sync(self.fs.loop, abort)
+    async def _abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort the multipart upload ``upload_id`` of ``key``; one that completed or was aborted since is
+        done (two gc runs at once, or a save's own abort first)."""
+        s3 = await self._client()
+        try:
+            await self.retry.run(f"abort {key}", lambda: s3.abort_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id))
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                raise
 
     @property
     def upload_buffer_peak_bytes(self) -> int:
@@ -702,17 +702,9 @@ class MultipartUpload:
         if self._upload_id is None:
             return
         storage = self._storage
-
-        async def abort() -> None:
-            s3 = await storage._client()
-            await storage.retry.run(f"abort {self._key}", lambda: s3.abort_multipart_upload(
-                Bucket=storage.bucket, Key=self._key, UploadId=self._upload_id))
-
         try:
-            storage._run(abort()).result()
+            storage._run(storage._abort_upload(self._key, self._upload_id)).result()
         except Exception as exc:  # the write's own error is what the caller sees
-            if not (isinstance(exc, botocore.exceptions.ClientError)
-                    and exc.response.get("Error", {}).get("Code") == "NoSuchUpload"):
-                logger.warning("could not abort the multipart upload of s3://%s/%s (%s: %s): its parts stay stored, "
-                               "and billed, until `async-ckpt gc` or a bucket lifecycle rule aborts it", storage.bucket,
-                               self._key, type(exc).__name__, exc)
+            logger.warning("could not abort the multipart upload of s3://%s/%s (%s: %s): its parts stay stored, "
+                           "and billed, until `async-ckpt gc` or a bucket lifecycle rule aborts it", storage.bucket,
+                           self._key, type(exc).__name__, exc)
