@@ -30,7 +30,7 @@ from async_ckpt.storage.base import Storage
 logger = logging.getLogger("async_ckpt")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_PARTIAL = ".async_ckpt-export.partial-"  # the folder an export into an existing --out is staged in
+_PARTIAL = ".async_ckpt-export.partial-"  # the folder inside --out an export is staged in
 
 
 @dataclass
@@ -52,9 +52,9 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
 
     Tied weights (e.g. ``lm_head.weight`` sharing ``wte.weight``) are written once, as
     ``save_pretrained`` does; ``from_pretrained`` ties them again from the config. The files are
-    written under a ``.partial-`` folder (beside ``out_dir``, or inside it where it exists) and take
-    their place only once all are complete, the shard index last: an export that fails or is killed
-    leaves no shards without their index in ``out_dir``.
+    written under a ``.partial-`` folder inside ``out_dir`` (a mount point or a symlink may be given:
+    nothing is renamed onto it) and take their place only once all are complete, the shard index last:
+    an export that fails or is killed leaves no shards without their index in ``out_dir``.
     """
     if manifest.consolidated:
         raise UsageError(f"tag {manifest.tag!r} is a consolidated save: it already is a Hugging Face folder (or "
@@ -89,14 +89,9 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
                 raise ConversionError(f"DeepSpeed's zero_to_fp32 cannot consolidate tag {manifest.tag!r}: {exc}") from exc
         report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
         tensors, report.tied_aliases = without_aliases(state)
-        given = os.path.isdir(out_dir)  # an empty folder (a mount, a symlink, '.'): staged inside it
-        if given:
-            partial = os.path.join(out_dir, f"{_PARTIAL}{uuid.uuid4().hex[:8]}")
-        else:
-            parent = os.path.dirname(os.path.abspath(out_dir))
-            os.makedirs(parent, exist_ok=True)
-            partial = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial-"
-                                           f"{uuid.uuid4().hex[:8]}")
+        created = not os.path.isdir(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        partial = os.path.join(out_dir, f"{_PARTIAL}{uuid.uuid4().hex[:8]}")
         os.mkdir(partial)
         try:
             _write_shards(cast(tensors, dtype), partial, safetensors, max_shard_bytes, report)
@@ -108,14 +103,14 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
                 report.extra_files.append(entry.path)
             if "config.json" in report.extra_files:
                 set_config_dtype(os.path.join(partial, "config.json"), DTYPES[dtype])
-            if given:  # each file up into the folder, the shard index last
-                for name in sorted(os.listdir(partial), key=lambda n: n in (SAFETENSORS_INDEX, TORCH_INDEX)):
-                    os.replace(os.path.join(partial, name), os.path.join(out_dir, name))
-                os.rmdir(partial)
-            else:
-                os.replace(partial, out_dir)
+            for name in sorted(os.listdir(partial), key=lambda n: n in (SAFETENSORS_INDEX, TORCH_INDEX)):
+                os.replace(os.path.join(partial, name), os.path.join(out_dir, name))  # the shard index last
+            os.rmdir(partial)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
+            if created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(out_dir)
             raise
     logger.info("exported %s to %s: %d tensors, %.3f GB %s in %d shard(s), tied aliases %s, with %s",
                 manifest.tag, out_dir, report.tensors, report.total_bytes / 1e9, dtype, len(report.shards),
