@@ -95,7 +95,9 @@ class FaultProxy:
     ListParts request with 403 AccessDenied, as S3 does without s3:ListMultipartUploadParts, and
     ``deny_aborts`` every AbortMultipartUpload likewise. Everything
     else passes through unchanged. ``fail_next_listings(n)`` answers the next n object listings with
-    500 InternalError.
+    500 InternalError. ``lose_next_completion(relay)`` closes the connection of the next
+    CompleteMultipartUpload without an answer, after relaying it if ``relay``, and answers every later
+    completion of that upload 404 NoSuchUpload, as MinIO and Ceph do once an upload completed.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -112,6 +114,8 @@ class FaultProxy:
         self.deny_list_parts = False
         self.deny_aborts = False
         self._listing_faults = 0
+        self._completion_fault: bool | None = None  # None: none; else whether the lost completion is relayed
+        self._forgotten_uploads: set[str] = set()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -126,6 +130,17 @@ class FaultProxy:
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
+
+            def _upstream(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
+                """Send this request on to the store: its answer and body."""
+                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    return resp, resp.read()
+                finally:
+                    conn.close()
 
             def _relay(self):
                 length = int(self.headers.get("Content-Length") or 0)
@@ -168,6 +183,18 @@ class FaultProxy:
                     self._answer_xml(403, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
                                           b"<Message>Access Denied</Message></Error>")
                     return
+                if self.command == "POST" and "uploadId" in query:
+                    upload = query["uploadId"][0]
+                    if upload in proxy._forgotten_uploads:
+                        self._answer_xml(404, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NoSuchUpload</Code>"
+                                              b"<Message>The specified upload does not exist.</Message></Error>")
+                        return
+                    relay = proxy._take_completion_fault(upload)
+                    if relay is not None:
+                        if relay:
+                            self._upstream(body)
+                        self.close_connection = True
+                        return
                 if self.command == "PUT" and "partNumber" in query and proxy._take_fault():
                     if proxy.kind in ("reset", "stall"):
                         if proxy.kind == "stall":
@@ -182,13 +209,8 @@ class FaultProxy:
                                b"<Message>Please reduce your request rate.</Message></Error>")
                     self._answer_xml(503, payload)
                     return
-                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
+                resp, data = self._upstream(body)
                 if resp.status == 404 and self.command in ("GET", "HEAD") and proxy.no_list_permission:
-                    conn.close()
                     self._answer_xml(403, b"" if self.command == "HEAD" else
                                      b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
                                      b"<Message>Access Denied</Message></Error>")
@@ -201,7 +223,6 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
 
@@ -226,6 +247,18 @@ class FaultProxy:
                 self.injected += 1
                 return True
             return False
+
+    def _take_completion_fault(self, upload: str) -> bool | None:
+        with self._lock:
+            relay, self._completion_fault = self._completion_fault, None
+            if relay is not None:
+                self._forgotten_uploads.add(upload)
+                self.injected += 1
+            return relay
+
+    def lose_next_completion(self, relay: bool) -> None:
+        with self._lock:
+            self._completion_fault = relay
 
     def fail_next_listings(self, n: int) -> None:
         with self._lock:

@@ -357,6 +357,38 @@ def test_s3_upload_survives_transient_part_faults(s3, bucket, kind):
         proxy.stop()
 
 
+def _write_with_lost_completion(s3, bucket, *, relayed: bool) -> tuple[FaultProxy, bytes]:
+    """Write an 11 MiB object through a proxy that loses the answer to its completion (after
+    passing it on, if ``relayed``) and answers the retry NoSuchUpload, as MinIO and Ceph do."""
+    proxy = FaultProxy(s3.endpoint)
+    proxy.lose_next_completion(relay=relayed)
+    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint), part_size=5 * 1024 * 1024,
+                           retry=RetryPolicy(attempts=3, base_delay_s=0.05))
+    payload = os.urandom(11 * 1024 * 1024)
+    try:
+        with storage.open_write("tag/blob.bin") as stream:
+            stream.write(payload)
+    finally:
+        storage.close()
+        proxy.stop()
+    return proxy, payload
+
+
+def test_s3_completion_whose_answer_was_lost_succeeds_when_the_store_holds_the_joined_parts(s3, bucket):
+    proxy, payload = _write_with_lost_completion(s3, bucket, relayed=True)
+    assert proxy.injected == 1
+    assert s3.client().get_object(Bucket=bucket, Key="run/tag/blob.bin")["Body"].read() == payload
+
+
+def test_s3_completion_answered_no_such_upload_with_no_object_there_fails(s3, bucket):
+    with pytest.raises(StorageError, match="NoSuchUpload"):
+        _write_with_lost_completion(s3, bucket, relayed=False)
+    client = s3.client()
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="run/tag/")
+    for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+
 def test_s3_upload_that_keeps_timing_out_fails_naming_the_object_and_aborts(s3, bucket):
     proxy = FaultProxy(s3.endpoint)
     proxy.stall_s = 3.0

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import io
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -678,13 +679,38 @@ class MultipartUpload:
         while self._inflight:
             self._collect()
 
+        parts = sorted(self._parts, key=lambda p: p["PartNumber"])
+
+        async def complete(s3: Any) -> None:
+            try:
+                await s3.complete_multipart_upload(Bucket=storage.bucket, Key=self._key, UploadId=self._upload_id,
+                                                   MultipartUpload={"Parts": parts})
+            except botocore.exceptions.ClientError as exc:
+                if not (_error_code(exc) == "NoSuchUpload" and await self._stored(s3, parts)):
+                    raise
+
         async def finish() -> None:
             s3 = await storage._client()
-            await storage.retry.run(f"complete {self._key}", lambda: s3.complete_multipart_upload(
-                Bucket=storage.bucket, Key=self._key, UploadId=self._upload_id,
-                MultipartUpload={"Parts": sorted(self._parts, key=lambda p: p["PartNumber"])}))
+            await storage.retry.run(f"complete {self._key}", lambda: complete(s3))
 
         self._wait(storage._run(finish()))
+
+    async def _stored(self, s3: Any, parts: list[dict[str, Any]]) -> bool:
+        """Whether the object at the key is these parts, joined: a completion that the store answers
+        ``NoSuchUpload`` may be the retry (the client's or ours) of one that succeeded and whose answer
+        was lost (MinIO and Ceph answer so once an upload completed; S3 answers 200). The multipart ETag (the
+        MD5 of the parts' MD5s, then ``-N``) says so; where it is no MD5 (SSE-KMS), the error stands."""
+        try:
+            digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in parts)
+            head = await self._storage.retry.run(f"HEAD {self._key}",
+                                                 lambda: s3.head_object(Bucket=self._storage.bucket, Key=self._key))
+        except (ValueError, botocore.exceptions.ClientError):
+            return False
+        stored = head.get("ETag", "").strip('"') == f"{hashlib.md5(digests).hexdigest()}-{len(parts)}"
+        if stored:
+            logger.info("the completion of s3://%s/%s was answered NoSuchUpload; the object there is its parts, "
+                        "joined: an earlier try succeeded", self._storage.bucket, self._key)
+        return stored
 
     def abort(self) -> None:
         """Cancel parts in flight and abort the multipart upload, so no parts are left billed.
