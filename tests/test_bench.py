@@ -9,7 +9,9 @@ import pytest
 import rank_tasks
 import torch.distributed as dist
 
+from async_ckpt.bench.floors import CHUNK, WAYS, _write_s
 from async_ckpt.bench.methods import METHODS, ON_REQUEST
+from async_ckpt.bench.report import table as report_table
 from async_ckpt.bench.save_bench import DEFAULT_METHODS, BenchConfig, run
 from async_ckpt.launch import RankError
 
@@ -193,6 +195,41 @@ def test_a_floor_write_failing_on_one_rank_raises_there_without_leaving_the_othe
     assert ranks.run(dist.get_world_size) == [2, 2]  # and the group still answers
 
 
+def test_bench_gives_no_ratio_to_the_durable_floor_for_a_method_that_does_not_fsync(bench):
+    _, report = bench
+    methods = report["summary"]["methods"]
+    assert methods["stock"]["fsynced"] is False and methods["stock"]["persist_vs_floor"] is None
+    assert methods["async_ckpt"]["fsynced"] is True and methods["async_ckpt"]["persist_vs_floor"] > 0
+    assert "(page cache: no fsync)" in report_table(report).split("| stock |")[1].split("\n")[0]
+
+
+def test_bench_measures_each_methods_peak_memory_in_its_turn_and_its_set_up_time(bench):
+    _, report = bench
+    methods = {n: m for n, m in report["summary"]["methods"].items() if "skipped" not in m}
+    for name, m in methods.items():
+        assert m["peak_rss_above_start_bytes"] >= 0 and m["setup_s"] >= 0, name
+        assert m["peak_gpu_above_start_bytes"] is None, name  # CPU ranks: no device memory
+    assert methods["stock"]["peak_rss_vs_stock"] == 1.0
+    assert "peak RSS above start" in report_table(report)
+
+
+@pytest.mark.parametrize("direct,streams", WAYS)
+def test_the_write_floor_writes_every_byte_in_each_of_its_ways(tmp_path, direct, streams):
+    from async_ckpt.storage.base import anonymous_memory
+
+    block = anonymous_memory(CHUNK)
+    block.write(os.urandom(CHUNK))
+    path = str(tmp_path / "floor.bin")
+    nbytes = 2 * CHUNK + 5000  # a partial last chunk, rounded up to whole pages
+    seconds = _write_s(path, nbytes, block, direct, streams)
+    if direct and seconds == float("inf"):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    assert seconds > 0
+    data = open(path, "rb").read()
+    assert len(data) == 2 * CHUNK + 8192
+    assert data[:CHUNK] == data[CHUNK:2 * CHUNK] == bytes(block) and data[2 * CHUNK:] == bytes(block)[:8192]
+
+
 def test_bench_writes_the_timeline_png(bench):
     out, _ = bench
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -304,8 +341,10 @@ def test_bench_rounds_let_the_methods_take_turns_and_gather_every_rounds_saves(m
         for name in ("stock", "async_ckpt"):
             saves = rank["methods"][name]["saves"]
             assert [(s["round"], s["index"]) for s in saves] == [(r, i) for r in (0, 1) for i in range(saves_per_round)]
-        turns = [step["method"] for step in rank["steps"] if step["method"] != "warmup"]
-        assert [m for i, m in enumerate(turns) if i == 0 or turns[i - 1] != m] == ["stock", "async_ckpt"] * 2
+        turns = [(step["round"], step["method"]) for step in rank["steps"] if step["method"] != "warmup"]
+        order = [t for i, t in enumerate(turns) if i == 0 or turns[i - 1] != t]
+        # ABBA: the second round runs the methods in reverse order
+        assert order == [(0, "stock"), (0, "async_ckpt"), (1, "async_ckpt"), (1, "stock")]
 
 
 def test_bench_rounds_leave_every_rounds_first_save_out_of_the_steady_stall(mlp_rounds):

@@ -20,6 +20,8 @@ class Method:
     name = "method"
     note = ""
     root = ""  # where this method's checkpoints go
+    #: whether ``durable_s`` ends with the bytes on the disk (fsynced), or only handed to the page cache
+    durable = True
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         self.engine = engine
@@ -56,6 +58,7 @@ class StockDeepSpeed(Method):
     """``engine.save_checkpoint`` with DeepSpeed's Torch engine: synchronous, local disk only."""
 
     name = "stock"
+    durable = False  # DeepSpeed's Torch engine does not fsync: its save ends in the page cache
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         super().__init__(engine, target, rank)
@@ -81,6 +84,7 @@ class DecoupledDeepSpeed(Method):
 
     name = "ds_decoupled"
     note = "DeepSpeed decoupled engine with its 'python' writer (FastPersist needs an accelerator and its async_io op)"
+    durable = False  # the python writer flushes to the page cache, without fsync
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         super().__init__(engine, target, rank)
@@ -100,12 +104,14 @@ class DecoupledDeepSpeed(Method):
         self.root = os.path.join(target["local_dir"], "decoupled")
         self._pending: tuple[float, str] | None = None
         self._commit_s = 0.0
+        self._committed_at = 0.0
         commit = engine._commit_decoupled_checkpoint
 
         def timed_commit() -> None:  # the wait DeepSpeed adds inside the next step() is this method's stall too
             started = time.perf_counter()
             commit()
-            self._commit_s = time.perf_counter() - started
+            self._committed_at = time.perf_counter()
+            self._commit_s = self._committed_at - started
 
         engine._commit_decoupled_checkpoint = timed_commit
         self._saved = engine.checkpoint_engine
@@ -113,14 +119,16 @@ class DecoupledDeepSpeed(Method):
                                                             engine.has_moe_layers, False)
 
     def save(self, tag: str) -> None:
+        started = time.perf_counter()  # from the call, as for every method
         type(self.engine).save_checkpoint(self.engine, self.root, tag=tag)
-        self._pending = (time.perf_counter(), tag)
+        self._pending = (started, tag)
 
     def poll(self) -> None:
-        """DeepSpeed commits a decoupled save inside the next ``step()``, which blocks until it is written."""
+        """DeepSpeed commits a decoupled save inside the next ``step()``, which blocks until it is written:
+        durable when that commit returned, not when this poll after the step notices it."""
         if self._pending is not None:
             started, tag = self._pending
-            self.durable_s.append(time.perf_counter() - started)
+            self.durable_s.append(self._committed_at - started)
             self.extra_stall_s.append(self._commit_s)
             self.bytes_per_save = _dir_bytes(os.path.join(self.root, tag)) if self.rank == 0 else 0
             self._pending = None
@@ -140,6 +148,7 @@ class DcpAsyncSave(Method):
     """``torch.distributed.checkpoint.async_save`` of the same tensors (its own gloo group)."""
 
     name = "dcp_async"
+    note = "saves the optimizer's state_dict only (no model-states file): fewer bytes than the DeepSpeed methods"
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         super().__init__(engine, target, rank)
@@ -147,7 +156,7 @@ class DcpAsyncSave(Method):
 
         self.dcp = dcp
         self.group = dist.new_group(backend="gloo")
-        self.futures: list[tuple[float, Any]] = []
+        self.futures: list[tuple[float, Any, list[float]]] = []  # call time, future, its end time once done
         if target["kind"] == "local":
             self.root = os.path.join(target["local_dir"], "dcp")
             self.writer_kwargs: dict = {}
@@ -184,23 +193,25 @@ class DcpAsyncSave(Method):
             writer = FsspecWriter(path, thread_count=2, **self.writer_kwargs)
         started = time.perf_counter()
         future = self.dcp.async_save(self._state(), storage_writer=writer, process_group=self.group)
-        self.futures.append((started, future))
+        ended: list[float] = []  # timed when the write ends, not when a poll after a step notices it
+        future.add_done_callback(lambda _: ended.append(time.perf_counter()))
+        self.futures.append((started, future, ended))
         self.extra_stall_s.append(0.0)
 
     def poll(self) -> None:
         still = []
-        for started, future in self.futures:
+        for started, future, ended in self.futures:
             if future.done():
                 future.result()
-                self.durable_s.append(time.perf_counter() - started)
+                self.durable_s.append((ended or [time.perf_counter()])[0] - started)  # its callback may still run
             else:
-                still.append((started, future))
+                still.append((started, future, ended))
         self.futures = still
 
     def _drain(self) -> None:
-        for started, future in self.futures:
+        for started, future, ended in self.futures:
             future.result()
-            self.durable_s.append(time.perf_counter() - started)
+            self.durable_s.append((ended or [time.perf_counter()])[0] - started)
         self.futures = []
 
     def finish(self) -> None:
@@ -299,6 +310,7 @@ class AsyncCkptNoFsync(AsyncCkpt):
     guest's cores (``python -m async_ckpt.bench.write_steal``). Its ``durable_s`` is the time to written."""
 
     name = "async_ckpt_no_fsync"
+    durable = False
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         super().__init__(engine, target, rank, fsync=False)

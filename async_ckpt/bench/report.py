@@ -85,12 +85,19 @@ def summarize(report: dict) -> dict:
         # with --rounds, each round wraps the engine anew: every round's first save is a first save
         steady = _median([stall for i, (save, stall) in enumerate(zip(first["saves"], per_save_stall))
                           if save.get("index", i) > 0])
+        # a method that does not fsync reaches the page cache, not the disk: no ratio to a durable floor
+        fsynced = first.get("durable", True)
+        peaks = [r["methods"][name].get("peak_above_start") or {} for r in ranks]
         entry = {
             "stall_s": stall, "durable_s": durable, "bytes_per_save": total_bytes, "persist_gbps": gbps,
+            "fsynced": fsynced, "setup_s": max((r["methods"][name].get("setup_s") or 0.0) for r in ranks),
+            "finish_wait_s": max(r["methods"][name].get("finish_wait_s", 0.0) for r in ranks),
+            "peak_rss_above_start_bytes": _max_known(p.get("rss") for p in peaks),
+            "peak_gpu_above_start_bytes": _max_known(p.get("gpu") for p in peaks),
             "first_stall_s": per_save_stall[0] if per_save_stall else None,
             "first_vs_steady_stall": per_save_stall[0] / steady if steady else None,
-            "persist_vs_floor": gbps / persist_floor if gbps and persist_floor else None,
-            "persist_vs_floor_while_training": gbps / busy_floor_gbps if gbps and busy_floor_gbps else None,
+            "persist_vs_floor": gbps / persist_floor if gbps and persist_floor and fsynced else None,
+            "persist_vs_floor_while_training": gbps / busy_floor_gbps if gbps and busy_floor_gbps and fsynced else None,
             "stall_vs_copy_floor": stall / copy_floor_s if stall is not None else None,
             "note": first.get("note", ""),
         }
@@ -165,7 +172,10 @@ def summarize(report: dict) -> dict:
             if methods[name].get("stall_s") is not None:
                 methods[name]["lost_incl_writeback_per_save_s"] = methods[name]["stall_s"] + max(0.0, signed)
     stock_with_writeback = methods.get("stock", {}).get("lost_incl_writeback_per_save_s")
+    stock_peak = methods.get("stock", {}).get("peak_rss_above_start_bytes")
     for name in windows:
+        peak = methods[name].get("peak_rss_above_start_bytes")
+        methods[name]["peak_rss_vs_stock"] = peak / stock_peak if peak is not None and stock_peak else None
         if stock_stall and methods[name].get("stall_s"):
             methods[name]["stall_reduction_vs_stock"] = stock_stall / methods[name]["stall_s"]
             lost = methods[name].get("training_time_lost_per_save_s")
@@ -178,6 +188,11 @@ def summarize(report: dict) -> dict:
                       "s3_upload_gbps": s3_floor_gbps},
             "median_step_s_outside_saves": _median(outside), "peak_rss_bytes": max(r["peak_rss"] for r in ranks),
             "methods": methods}
+
+
+def _max_known(values: Any) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def _extra_by_thread(inside: list[dict], outside: list[dict]) -> dict[str, float] | None:
@@ -235,10 +250,12 @@ def table(report: dict) -> str:
             continue
         lines.append(
             f"| {name} | {_fmt(m['stall_s'], '.3f', ' s')} | {_fmt(m['stall_vs_copy_floor'], '.2f', 'x')} "
-            f"| {_fmt(m.get('stall_reduction_vs_stock'), '.1f', 'x')} | {_fmt(m['durable_s'], '.2f', ' s')} "
+            f"| {_fmt(m.get('stall_reduction_vs_stock'), '.1f', 'x')} | {_fmt(m['durable_s'], '.2f', ' s')}"
+            f"{'' if m.get('fsynced', True) else ' (page cache: no fsync)'} "
             f"| {_fmt(m['persist_gbps'], '.3f')} | {_fmt(m['persist_vs_floor'], '.0%')} "
             f"| {_fmt(m.get('persist_vs_floor_while_training'), '.0%')} "
-            f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')} "
+            f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')}"
+            f"{'' if m.get('steps_inside_windows') is None else ' (' + str(m['steps_inside_windows']) + ' steps)'} "
             f"| {_fmt(m.get('next_step_over_before_s'), '+.3f', ' s')} "
             f"| {_fmt(m.get('training_time_lost_per_save_s', m['stall_s']), '.3f', ' s')} "
             f"| {_fmt(m.get('lost_vs_stock'), '.2f', 'x')} | {_fmt(m.get('first_stall_s'), '.3f', ' s')} "
@@ -272,7 +289,23 @@ def table(report: dict) -> str:
         for name, extra in costed.items():
             lines.append(f"| {name} | " + " | ".join(f"{extra[k]:+.2f} s" for k in machine_cpu.KINDS)
                          + f" | {extra['system'] + extra['steal']:+.2f} s |")
+    measured = {name: m for name, m in s["methods"].items() if m.get("peak_rss_above_start_bytes") is not None}
+    if measured:
+        lines += ["", "Memory and set-up, per method's turn (max over ranks): the peak of the resident set above "
+                  "its size at the turn's start (the kernel's high-water mark, reset then: training's own peak "
+                  "within a step is in every method's), and the time to construct the method (`wrap()` for "
+                  "async_ckpt; staging it reserves is faulted in, or pinned, in the background after that):", "",
+                  "| method | peak RSS above start | vs stock | peak GPU memory above start | set-up |",
+                  "|---|---|---|---|---|"]
+        for name, m in measured.items():
+            lines.append(f"| {name} | {m['peak_rss_above_start_bytes'] / GB:.3f} GB "
+                         f"| {_fmt(m.get('peak_rss_vs_stock'), '.2f', 'x')} "
+                         f"| {_fmt(m['peak_gpu_above_start_bytes'] and m['peak_gpu_above_start_bytes'] / GB, '.3f', ' GB')} "
+                         f"| {m['setup_s']:.3f} s |")
     for name, m in s["methods"].items():
+        if (m.get("finish_wait_s") or 0.0) > 0.05:
+            lines.append(f"\n{name}: its last save was still writing when its turn ended: {m['finish_wait_s']:.2f} s "
+                         "of it (all rounds) ran with training stopped, charged to no step")
         if "staging_bytes" in m:
             lines.append(f"\n{name}: staging {m['staging_bytes'] / GB:.3f} GB (flat across saves: {m['staging_flat']}), "
                          f"RSS growth from the 2nd to the last save {_fmt(m['rss_growth_over_saves'], '+.1%')}")
@@ -286,7 +319,7 @@ def table(report: dict) -> str:
                          + ", ".join(f"{thread} {extra:+.3f} s" for thread, extra in by_thread))
         if m.get("note"):
             lines.append(f"\n{name}: {m['note']}")
-    lines.append(f"\npeak RSS (max over ranks) {s['peak_rss_bytes'] / GB:.2f} GB")
+    lines.append(f"\nRSS sampled after each step, largest (max over ranks) {s['peak_rss_bytes'] / GB:.2f} GB")
     return "\n".join(lines)
 
 

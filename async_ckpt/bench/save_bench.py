@@ -82,7 +82,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     import torch.distributed as dist
 
     from async_ckpt import workload
-    from async_ckpt.bench import floors, machine_cpu
+    from async_ckpt.bench import floors, machine_cpu, peak_memory
     from async_ckpt.bench.thread_cpu import cpu_delta, thread_cpu, with_ended
     from async_ckpt.bench.writeback import dirty_bytes, train_until_written_back
 
@@ -128,10 +128,13 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     def turn(name: str, round_: int) -> dict:
         """One turn of method ``name``: wrap, ``saves`` saves with their steps, drain, unwrap; its raw figures."""
         dist.barrier()
+        memory = peak_memory.start(engine.device)
+        setup_started = time.time()
         try:
             method = METHODS[name](engine, target, rank)
         except Exception as exc:
             return {"skipped": f"{type(exc).__name__}: {exc}"}
+        setup_s = time.time() - setup_started
         saves = []
         for i in range(cfg["saves"]):
             for _ in range(cfg["steps_between"]):
@@ -154,7 +157,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
         written_back = train_until_written_back(lambda: step(name, round_), saves[0]["dirty_before"] if saves else None,
                                                 agree, cap_s=cfg["writeback_cap_s"])
         entry = {"note": method.note, "finish_wait_s": finish_wait_s, "bytes_per_save": method.bytes_per_save,
-                 "written_back": written_back}
+                 "written_back": written_back, "durable": method.durable, "setup_s": setup_s}
         for i, save in enumerate(saves):
             save["durable_s"] = method.durable_s[i] if i < len(method.durable_s) else None
             save["extra_stall_s"] = method.extra_stall_s[i] if i < len(method.extra_stall_s) else 0.0
@@ -167,6 +170,7 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             entry["rss_before_save"] = method.rss_before_save
             entry["staging_bytes"] = method.staging_bytes
         method.close()
+        entry["peak_above_start"] = peak_memory.peak_above(memory, engine.device)
         discard_started = time.time()
         method.discard()
         # deleting the checkpoints leaves work for the device (on a disk mounted with online discard, trims at
@@ -178,7 +182,9 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     step("warmup")
     results: dict[str, Any] = {}
     for round_ in range(cfg["rounds"]):
-        for name in cfg["methods"]:
+        # ABBA: the methods' order reversed every other round, so that the run's drift in step time does
+        # not fall on whichever method always runs in one place
+        for name in cfg["methods"] if round_ % 2 == 0 else cfg["methods"][::-1]:
             if "skipped" in results.get(name, {}):
                 continue
             entry = turn(name, round_)
@@ -189,9 +195,12 @@ def bench_rank(cfg: dict, target: dict) -> dict:
             else:
                 _gather_round(results[name], entry)
             peak_rss = max(peak_rss, proc.memory_info().rss)
-    ours = next((entry["bytes_per_save"] for name, entry in results.items()  # this rank's share of a checkpoint
+    # this rank's share of a checkpoint: async_ckpt's, else stock's split over the ranks (rank 0 measures it)
+    ours = next((entry["bytes_per_save"] for name, entry in results.items()
                  if name.startswith("async_ckpt") and entry.get("bytes_per_save")), None)
-    nbytes = ours or 64 * 1024 * 1024
+    stock = torch.tensor([float(results.get("stock", {}).get("bytes_per_save") or 0)], device=engine.device)
+    dist.all_reduce(stock, op=dist.ReduceOp.MAX)
+    nbytes = ours or int(stock.item()) // dist.get_world_size() or 64 * 1024 * 1024
     floor_dir = os.path.join(target["local_dir"], "floor")
     floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes, engine.device),
              "local_write_s": floors.local_write_floor_s(nbytes, floor_dir)}
@@ -206,11 +215,16 @@ def bench_rank(cfg: dict, target: dict) -> dict:
 
 def _gather_round(into: dict, entry: dict) -> None:
     """Add a later round's raw figures of one method (``entry``) to its first round's (``into``): every save,
-    the finish waits and deletions summed, written back only where every round's was. Staging and RSS stay the first
-    round's: each round wraps the engine anew, so its first save allocates staging again."""
+    the finish waits and deletions summed, written back only where every round's was, set-up time and peak memory the
+    largest. Staging and RSS stay the first round's: each round wraps the engine anew, so its first save allocates
+    staging again."""
     into["saves"] += entry["saves"]
     into["finish_wait_s"] += entry["finish_wait_s"]
     into["discard_s"] += entry["discard_s"]
+    into["setup_s"] = max(into["setup_s"], entry["setup_s"])
+    for key, peak in entry["peak_above_start"].items():
+        if peak is not None and into["peak_above_start"][key] is not None:
+            into["peak_above_start"][key] = max(into["peak_above_start"][key], peak)
     drained = (into["written_back"], entry["written_back"])
     into["written_back"] = None if None in drained else all(drained)
 
