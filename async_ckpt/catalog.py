@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from async_ckpt.errors import CorruptManifestError, InvalidTagError, UnsupportedManifestError
 from async_ckpt.layout import (LATEST, MANIFEST, MARKER_DIR, deletion_mark, is_start_mark, manifest_path,
@@ -56,15 +56,19 @@ def inspect_latest(storage: Storage, name: str = LATEST) -> tuple[str | None, st
 
 def read_manifest(storage: Storage, tag: str) -> Manifest | None:
     """The tag's manifest, ``None`` if it has none; :class:`CorruptManifestError` naming the file if unreadable,
-    :class:`UnsupportedManifestError` naming it if another version's."""
+    :class:`UnsupportedManifestError` naming it if another version's.
+
+    Its ``tag`` is the folder's name: a tag folder copied or renamed (``cp -r global_step2 best``, to
+    keep one) is checked and loaded from where it is, not from the folder it was saved as."""
     try:
         raw = storage.read_bytes(manifest_path(tag))
     except FileNotFoundError:
         return None
     try:
-        return Manifest.from_json(raw)
+        manifest = Manifest.from_json(raw)
     except (CorruptManifestError, UnsupportedManifestError) as exc:
         raise type(exc)(f"{storage.url}/{manifest_path(tag)}: {exc}") from exc
+    return manifest if manifest.tag == tag else replace(manifest, tag=tag)
 
 
 def holds_files(storage: Storage, relpath: str) -> bool:

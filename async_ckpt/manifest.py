@@ -33,7 +33,30 @@ class FileEntry:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "FileEntry":
-        return cls(path=data["path"], size=int(data["size"]), crc32=data["crc32"], rank=int(data["rank"]))
+        """One entry of a manifest as read; ``ValueError`` where it is not one. The path must stay inside
+        the tag folder: a resume or a pull writes each file where its path says."""
+        path = data["path"]
+        parts = path.split("/") if isinstance(path, str) else []
+        if not parts or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"file path {path!r} is not a relative path inside the tag folder")
+        if not isinstance(data["crc32"], str):
+            raise ValueError(f"crc32 of {path!r} is {data['crc32']!r}, not a string")
+        return cls(path=path, size=_count(f"size of {path!r}", data["size"]), crc32=data["crc32"],
+                   rank=_count(f"rank of {path!r}", data["rank"]))
+
+
+def _count(what: str, value: Any) -> int:
+    """``value`` if it is an int of at least 0 (not a bool); ``ValueError`` naming ``what`` if not."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} is {value!r}, not a whole number of at least 0")
+    return value
+
+
+#: The type each field of a manifest must have as read (the file entries are checked by FileEntry).
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "tag": str, "dtype": str, "save_id": str, "versions": dict, "timings": dict,
+    "universal": bool, "sets_latest": bool, "consolidated": bool,
+}
 
 
 @dataclass
@@ -103,6 +126,16 @@ class Manifest:
                 raise ValueError(f"unknown manifest format {found!r} (expected {FORMAT!r})")
             known = {f.name for f in fields(cls)}
             data = {key: value for key, value in data.items() if key in known}
+            for key, kind in _TYPES.items():
+                if key in data and not isinstance(data[key], kind):
+                    raise ValueError(f"{key} is {data[key]!r}, not a {kind.__name__}")
+            for key in ("step", "world_size", "zero_stage"):
+                _count(key, data[key])
+            created = data.get("created_unix", 0.0)
+            if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < 1e11:
+                raise ValueError(f"created_unix is {created!r}, not a time")
+            if not isinstance(data["files"], list):
+                raise ValueError(f"files is {data['files']!r}, not a list")
             data["files"] = [FileEntry.from_dict(f) for f in data["files"]]
             return cls(**data)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONDecodeError is a ValueError

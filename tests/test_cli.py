@@ -10,6 +10,7 @@ import pytest
 
 import rank_tasks
 from async_ckpt.cli import main
+from async_ckpt.errors import CorruptManifestError
 from async_ckpt.gc import collect_garbage
 from async_ckpt.layout import manifest_path
 from async_ckpt.manifest import Manifest
@@ -75,6 +76,47 @@ def test_verify_names_a_corrupt_file_and_fails(local_root, capsys, tmp_path):
     rank_tasks._flip_byte(str(copy / "second" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     code, out, _ = run_cli(capsys, "verify", str(copy))
     assert code == 1 and "BAD  zero_pp_rank_0_mp_rank_00_optim_states.pt" in out
+
+
+def test_verify_of_a_copied_tag_folder_checks_the_copys_own_files(local_root, capsys, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(local_root, copy)
+    shutil.copytree(copy / "second", copy / "best")  # "keep this one"
+    code, out, _ = run_cli(capsys, "verify", str(copy), "--tag", "best")
+    assert code == 0 and "best: " in out
+    rank_tasks._flip_byte(str(copy / "best" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    code, out, _ = run_cli(capsys, "verify", str(copy), "--tag", "best")
+    assert code == 1 and "BAD  zero_pp_rank_0_mp_rank_00_optim_states.pt" in out
+
+
+@pytest.mark.parametrize("path", ["../evil.pt", "/etc/evil.pt", "a//b.pt", "a\\b.pt", "", "./a.pt", "a/../../b.pt"])
+def test_a_manifest_whose_file_path_leaves_the_tag_folder_is_corrupt(path):
+    manifest = Manifest(tag="t", step=1, world_size=1, zero_stage=2, dtype="fp32", files=[])
+    data = json.loads(manifest.to_json())
+    data["files"] = [{"path": path, "size": 1, "crc32": "00000000", "rank": 0}]
+    with pytest.raises(CorruptManifestError, match="inside the tag folder"):
+        Manifest.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize("field,value", [("created_unix", "2"), ("created_unix", None), ("created_unix", float("nan")),
+                                         ("created_unix", 1e20), ("step", "3"), ("step", True), ("world_size", -1),
+                                         ("save_id", 5), ("sets_latest", "yes"), ("files", {}),
+                                         ("files", [{"path": "a.pt", "size": "1", "crc32": "0", "rank": 0}])])
+def test_ls_lists_a_manifest_with_a_field_of_the_wrong_type_as_corrupt_instead_of_failing(capsys, tmp_path, field, value):
+    for tag, step in (("good", 1), ("bad", 2)):
+        manifest = Manifest(tag=tag, step=step, world_size=1, zero_stage=2, dtype="fp32", files=[],
+                            created_unix=float(step))
+        data = json.loads(manifest.to_json())
+        if tag == "bad":
+            data[field] = value
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "async_ckpt_manifest.json").write_text(json.dumps(data))
+    code, out, _ = run_cli(capsys, "ls", str(tmp_path), "--json")
+    rows = {row["tag"]: row for row in json.loads(out)["tags"]}
+    assert code == 0 and rows["good"]["committed"] and not rows["bad"]["committed"]
+    assert "corrupt" in json.dumps(rows["bad"])
 
 
 def test_verify_json_of_a_tag_in_another_versions_format_says_so_in_json(capsys, tmp_path):
