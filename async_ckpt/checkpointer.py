@@ -169,6 +169,7 @@ class AsyncCheckpointer:
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
         engine.save_checkpoint = self._engine_save_checkpoint
         engine.save_16bit_model = self._engine_save_16bit_model
+        engine._take_model_step = self._engine_take_model_step
         inflight.register(self)
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
 
@@ -541,6 +542,8 @@ class AsyncCheckpointer:
             del self.engine.save_checkpoint
         if self.engine.__dict__.get("save_16bit_model") == self._engine_save_16bit_model:
             del self.engine.save_16bit_model
+        if self.engine.__dict__.get("_take_model_step") == self._engine_take_model_step:
+            del self.engine._take_model_step
         self._remove_shadow()
 
     def __enter__(self) -> "AsyncCheckpointer":
@@ -969,6 +972,14 @@ class AsyncCheckpointer:
                                                                  slot_key=name, defer=defer, compact=compact,
                                                                  offsets_of=record_offsets if placed else None))
         self._session.snapshot_s += time.perf_counter() - started
+
+    def _engine_take_model_step(self, lr_kwargs: Any = None) -> Any:
+        """Stand-in for the engine's optimizer step after wrap: wait for the overlapped copy first.
+        ``engine.step()`` asks the checkpoint engine's ``get_commit_info()`` before it, which waits too;
+        ``PipelineEngine.train_batch()`` steps without asking, and would change the optimizer state
+        while the copy still reads it: the saved file a mix of two steps, its checksum matching."""
+        self._before_optimizer_step()
+        return type(self.engine)._take_model_step(self.engine, lr_kwargs)
 
     def _before_optimizer_step(self) -> None:
         if self._staging is not None and not self._staging.done:

@@ -226,6 +226,39 @@ def pipeline_run(root: str, stage: int, s3_url: str | None = None, options: dict
     return out
 
 
+def pipeline_step_during_a_slow_copy(root: str) -> dict:
+    """One stage, data parallel on 2 ranks: save with the optimizer file's copy overlapped (the default)
+    and slowed to 1 s per piece, then ``train_batch`` at once. Whether the saved optimizer state is the
+    state at save(), and whether the step changed it."""
+    from async_ckpt import staging
+
+    engine = _pipe_engine(0, num_stages=1)
+    _pipe_step(engine)
+    copy_and_checksum, copy_all = staging._copy_and_checksum, staging._copy_all
+
+    def slow(copy: Callable[..., Any]) -> Callable[..., Any]:
+        def slowed(*args: Any) -> Any:
+            time.sleep(1.0)  # a large partition on a busy host
+            return copy(*args)
+        return slowed
+
+    staging._copy_and_checksum, staging._copy_all = slow(copy_and_checksum), slow(copy_all)
+    try:
+        with async_ckpt.wrap(engine, root) as ckpt:
+            at_save = [t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups]
+            handle = ckpt.save(tag="t")
+            _pipe_step(engine)
+            after = [t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups]
+            handle.result(timeout=120)
+    finally:
+        staging._copy_and_checksum, staging._copy_all = copy_and_checksum, copy_all
+    name = f"zero_pp_rank_{dist.get_rank()}_mp_rank_00_optim_states.pt"
+    saved = torch.load(os.path.join(root, "t", name), weights_only=False)["optimizer_state_dict"][
+        "single_partition_of_fp32_groups"]
+    return {"stepped": not all(torch.equal(a, b) for a, b in zip(at_save, after)),
+            "saved_at_save": all(torch.equal(s, b) for s, b in zip(saved, at_save))}
+
+
 def pipeline_universal(sources: list[tuple[str, dict | None, bool]]) -> dict:
     """One stage on one rank: load each universal conversion of the 2-stage checkpoint, one step."""
     return _universal_resume(lambda seed: _pipe_engine(seed, num_stages=1, load_universal=True), _pipe_step, sources)

@@ -380,6 +380,12 @@ def test_pipeline_resume_from_s3_fetches_the_layer_files_and_takes_the_same_step
         assert _state_differences(resumed["state"], out["reference"]["state"]) == [], f"rank {rank}"
 
 
+def test_pipeline_train_batch_after_a_save_waits_for_the_optimizer_files_overlapped_copy(ranks, tmp_path):
+    """train_batch() steps the optimizer without asking the checkpoint engine first, as engine.step() does."""
+    for out in ranks.run(layout_tasks.pipeline_step_during_a_slow_copy, str(tmp_path)):
+        assert out == {"stepped": True, "saved_at_save": True}
+
+
 # ---- TP x PP on 4 ranks ------------------------------------------------------------------------
 
 def test_tp_pp_numbers_model_parallel_files_pipeline_major_as_deepspeed_does(tp_pp):
