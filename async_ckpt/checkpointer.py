@@ -522,35 +522,50 @@ class AsyncCheckpointer:
 
     def _release(self) -> None:
         """Stop the threads, free the staging memory, close the storages and give the engine back: the end
-        of :meth:`close`, and of a ``wrap()`` that failed part-way (whatever it had started)."""
-        if self._drainer is not None:
-            self._drainer.stop()
-            if not self._drainer.join(self.config.effective_wait_timeout_s):
-                logger.warning("rank %d: the drainer thread did not stop within %.0f s; a drain to %s may still "
-                               "be running, and fails once its storage is closed", self.rank,
-                               self.config.effective_wait_timeout_s, self.config.url)
-        self._closed = True
-        inflight.unregister(self)
-        self._pool.close()
-        for storage in self._storages.values():
-            storage.close()
-        if self._local is not None:
-            self._local.close()
-        self._store = self._last_job = None  # the store client (and the last job's reference to it) holds a socket
+        of :meth:`close`, and of a ``wrap()`` that failed part-way (whatever it had started). The engine
+        goes back first and each step runs whatever an earlier one raised (a sticky CUDA error in the
+        pool's synchronize): a checkpointer half released would leave the engine calling a closed one."""
+        self._give_engine_back()
+        try:
+            if self._drainer is not None:
+                self._drainer.stop()
+                if not self._drainer.join(self.config.effective_wait_timeout_s):
+                    logger.warning("rank %d: the drainer thread did not stop within %.0f s; a drain to %s may "
+                                   "still be running, and fails once its storage is closed", self.rank,
+                                   self.config.effective_wait_timeout_s, self.config.url)
+            self._closed = True
+            inflight.unregister(self)
+            self._pool.close()
+        finally:
+            try:
+                for storage in [*self._storages.values(), *([self._local] if self._local is not None else [])]:
+                    storage.close()
+            finally:
+                self._store = self._last_job = None  # the store client (and the last job's reference to it) holds a socket
+                if self._writer is None or not self._writer.alive:
+                    self._remove_shadow()  # else a save still queued reads its tokenizer from it: removed at exit
+
+    def _give_engine_back(self) -> None:
         self.engine.checkpoint_engine = self._previous_engine
-        if self.engine.__dict__.get("save_checkpoint") == self._engine_save_checkpoint:
-            del self.engine.save_checkpoint
-        if self.engine.__dict__.get("save_16bit_model") == self._engine_save_16bit_model:
-            del self.engine.save_16bit_model
-        if self.engine.__dict__.get("_take_model_step") == self._engine_take_model_step:
-            del self.engine._take_model_step
-        self._remove_shadow()
+        for name, ours in (("save_checkpoint", self._engine_save_checkpoint),
+                           ("save_16bit_model", self._engine_save_16bit_model),
+                           ("_take_model_step", self._engine_take_model_step)):
+            if self.engine.__dict__.get(name) == ours:
+                delattr(self.engine, name)
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """Close; where the block raised, a failure of the close is logged, not raised over the block's error."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as failure:  # noqa: BLE001 - the block's own error is what the caller must see
+            logger.error("rank %d: closing the checkpointer after %s also failed: %s: %s", self.rank,
+                         type(exc).__name__, type(failure).__name__, failure)
 
     @property
     def failures(self) -> list[SaveFailedError]:
@@ -613,9 +628,11 @@ class AsyncCheckpointer:
         try:
             yield
         except BaseException as exc:
+            handle = SaveHandle(tag=tag, url=storage.url)
+            self._track(handle)  # waited for at exit: the writer's report is what lets rank 0 abort at once
             self._writer.submit(SaveJob(
                 tag=tag, save_id=agreed.save_id, storage=storage, rank=self.rank, world_size=self.world_size,
-                files=[], ticket=CopyTicket([]), handle=SaveHandle(tag=tag, url=storage.url),
+                files=[], ticket=CopyTicket([]), handle=handle,
                 handshake=Handshake(self._store, agreed.save_id, self.rank, self.world_size), save_latest=False,
                 keep_last=None, keep_every=None, metadata={}, overwrites=agreed.overwrites,
                 abandoned=f"{type(exc).__name__}: {exc}"))

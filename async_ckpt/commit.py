@@ -273,6 +273,8 @@ def _write_extras(job: SaveJob, entries: list[FileEntry]) -> None:
     is written, so that an abort, even one this raises, can remove them."""
     storage = job.storage
     if job.extras_dir:
+        if not os.path.isdir(job.extras_dir):  # os.walk would yield nothing: a tag without its tokenizer
+            raise FileNotFoundError(f"the save's tokenizer and model config in {job.extras_dir} are gone")
         for root, _, names in os.walk(job.extras_dir):
             for name in sorted(names):
                 local = os.path.join(root, name)

@@ -103,6 +103,7 @@ class Drainer:
         #: each deletion, so that a pause returns only once a deletion in progress has ended.
         self._retention_paused = False
         self._retention_lock = threading.Lock()
+        self._stopped = False  # see stop(): a drain submitted after it would never run
         self._thread = threading.Thread(target=self._run, name=f"async_ckpt-drainer-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -111,9 +112,27 @@ class Drainer:
         more (two attempts of one save would both upload into the tag, the later one after the earlier
         committed; and a later save of the tag replaced the earlier save's files in the node folder)."""
         with self._lock:
-            self._pending[job.drain_id] = job.tag
-            self._forget_failures(job.tag)
-        self._queue.put(job)
+            stopped = self._stopped
+            if not stopped:
+                self._pending[job.drain_id] = job.tag
+                self._forget_failures(job.tag)
+                self._queue.put(job)
+        if stopped:
+            self._closed_before(job)
+
+    def _closed_before(self, job: DrainJob) -> None:
+        """A save committed on the local tier after the drainer stopped (a ``close()`` that gave up waiting
+        for it): fail its handle rather than leave it unsettled, and say where the tag is."""
+        failure = SaveFailedError(f"tag {job.tag!r} is committed on the local tier {self._target.local.url}, but the "
+                                  f"checkpointer closed before its drain to {self._target.durable.url}: the next "
+                                  "wrap() with this local_tier drains it, unless the URL holds a newer tag by then",
+                                  tag=job.tag)
+        logger.error("rank %d: %s", self._rank, failure)
+        try:
+            self._on_failure(failure, job)
+        except BaseException:  # noqa: BLE001 - the handle still settles
+            logger.exception("could not record the failed drain of %s", job.tag)
+        job.handle._fail(failure)
 
     def pause_retention(self) -> None:
         """The retention drains run deletes no tag until :meth:`resume_retention` (local retention in the node
@@ -177,7 +196,10 @@ class Drainer:
         return retries
 
     def stop(self) -> None:
-        self._queue.put(None)
+        """End the thread after the drains queued so far; a drain submitted from now on fails at once."""
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
 
     def join(self, timeout: float | None) -> bool:
         self._thread.join(timeout)

@@ -74,18 +74,19 @@ def save_latest_false_then_load(root: str) -> dict:
 
 def stuck_previous_save(root: str, gate: str) -> dict:
     """The first save's write is held: save(), wait() and close() each give up after wait_timeout_s, and its
-    handle's result() after the timeout given to it."""
+    handle's result() after the timeout given to it. Saved with a tokenizer, which close() must leave to it."""
     from faulty_fs import register
 
     register()
     engine = _engine()
-    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate}, wait_timeout_s=2)
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate}, wait_timeout_s=2,
+                           tokenizer=workload.build_tokenizer())
     first = ckpt.save(tag="first")
     seen = {"save": _outcome(lambda: ckpt.save(tag="second")),
             "wait": _outcome(lambda: ckpt.wait(timeout=1)),
             "result": _outcome(lambda: first.result(timeout=0.5)),
             "close": _outcome(ckpt.close)}
-    seen["engine_given_back"] = "save_checkpoint" not in engine.__dict__
+    seen["engine_given_back"] = not {"save_checkpoint", "save_16bit_model", "_take_model_step"} & set(engine.__dict__)
     dist.barrier()
     if _rank() == 0:
         open(gate, "w").close()
@@ -94,6 +95,39 @@ def stuck_previous_save(root: str, gate: str) -> dict:
     while any(t.name.startswith("async_ckpt-writer") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     seen["writer_threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("async_ckpt-writer")]
+    seen["first_files"] = sorted(f.path for f in read_manifest(open_storage(root), "first").files)
+    return seen
+
+
+def close_failures(root: str, gate: str) -> dict:
+    """A with-block raises while a save is held past wait_timeout_s; then a close whose release of the
+    staging memory raises. What each close raised, and whether the engine was given back."""
+    from faulty_fs import register
+
+    register()
+    engine = _engine()
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}/held", storage_options={"gate": gate}, wait_timeout_s=1)
+    held = ckpt.save(tag="held")
+    seen = {}
+    try:
+        with ckpt:
+            raise ValueError("the block's own error")
+    except Exception as exc:  # noqa: BLE001 - what the block's caller sees
+        seen["block"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    if _rank() == 0:
+        open(gate, "w").close()
+    seen["held"] = held.result(timeout=120).tag
+    ckpt = async_ckpt.wrap(engine, f"{root}/other")
+
+    def broken() -> None:
+        raise RuntimeError("injected: the staging memory cannot be freed")
+
+    ckpt._pool.close = broken
+    seen["close"] = _outcome(ckpt.close)
+    seen["engine_given_back"] = (not {"save_checkpoint", "save_16bit_model", "_take_model_step"} & set(engine.__dict__)
+                                 and type(engine.checkpoint_engine).__name__ != "AsyncCheckpointEngine")
+    seen["shadow_left"] = os.path.exists(ckpt._shadow)
     return seen
 
 

@@ -152,6 +152,26 @@ def test_the_stuck_save_still_commits_once_storage_moves_and_its_thread_ends(stu
     assert [(r["first_committed"], r["writer_threads_left"]) for r in stuck] == [("first", [])] * 2
 
 
+def test_a_save_still_queued_when_close_gave_up_commits_with_its_tokenizer(stuck):
+    assert {"config.json", "tokenizer_config.json"} <= set(stuck[0]["first_files"])
+
+
+@pytest.fixture(scope="module")
+def close_failures(ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("close_failures")
+    return ranks.run(commit_tasks.close_failures, str(root / "ckpt"), str(root / "gate"))
+
+
+def test_a_with_block_that_raises_raises_its_own_error_not_the_closes(close_failures):
+    assert [(r["block"], r["held"]) for r in close_failures] == [("ValueError: the block's own error", "held")] * 2
+
+
+def test_a_close_whose_release_raises_still_gives_the_engine_back_and_removes_its_folder(close_failures):
+    for rank in close_failures:
+        assert rank["close"] == ("RuntimeError", "injected: the staging memory cannot be freed")
+        assert rank["engine_given_back"] and not rank["shadow_left"]
+
+
 # ---------------------------------------------------------------- corrupt manifests
 
 

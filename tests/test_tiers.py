@@ -517,6 +517,23 @@ def test_a_tag_a_later_save_overwrites_is_not_retried_from_its_earlier_save(tmp_
         assert drainer.join(30)
 
 
+def test_a_drain_submitted_after_the_drainer_stopped_fails_its_handle_naming_where_the_tag_is(tmp_path):
+    """A save still being written when close() gave up commits on the local tier after the drainer stopped."""
+    local, durable = open_storage(str(tmp_path / "node0")), open_storage(str(tmp_path / "durable"))
+    commit_by_hand(local, "a", 1, saved_at=1.7e9)
+    recorded = []
+    drainer = drain.Drainer(0, 1, dist.HashStore(), drain.DrainTarget(local, durable, None, None, 2, True), 60.0,
+                            lambda error, job: recorded.append(job.tag))
+    drainer.stop()
+    assert drainer.join(30)
+    handle = SaveHandle(tag="a", url=durable.url)
+    drainer.submit(drain.DrainJob(manifest=read_manifest(local, "a"), drain_id="d", handle=handle))
+    with pytest.raises(SaveFailedError, match="closed before its drain") as failed:
+        handle.result(timeout=5)
+    assert local.url in str(failed.value) and "next wrap()" in str(failed.value)
+    assert recorded == ["a"] and drainer.in_flight() == set()
+
+
 def test_a_restart_takes_the_newest_tag_every_rank_can_read_from_some_tier():
     view = {"old": (1, 1.0, True, "a"), "mid": (2, 2.0, True, "b"), "new": (3, 3.0, True, "c")}
     only_rank0_has_new = [dict(view), {k: v for k, v in view.items() if k != "new"}]
