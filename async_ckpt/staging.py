@@ -467,8 +467,15 @@ class StagingPool:
             whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage)
             pairs.append((staged, whole))
             memo.storages[key] = staged
-        return torch.empty(0, dtype=src.dtype).set_(staged.untyped_storage(), src.storage_offset(), src.size(),
+        view = torch.empty(0, dtype=src.dtype).set_(staged.untyped_storage(), src.storage_offset(), src.size(),
                                                     src.stride())
+        # the storage holds the bytes before a lazy conjugation or negation (x.conj(), x.conj().imag): the
+        # view keeps src's flags, as torch.save does, or it would hold other values
+        if src.is_conj():
+            view = view.conj()
+        if src.is_neg():
+            view = torch._neg_view(view)
+        return view
 
     def _compact_copy(self, src: torch.Tensor, slot_key: str, counter: Any, pairs: list[CopyPair]) -> torch.Tensor:
         """A host tensor laid out as ``src.detach().clone()`` would be, in a pooled buffer of its own."""

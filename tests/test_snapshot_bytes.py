@@ -45,6 +45,21 @@ def test_written_snapshot_equals_torch_save_to_the_same_file_name(tmp_path):
     assert _write(tmp_path, "ours", staged.obj) == (tmp_path / "stock" / "mp_rank_00_model_states.pt").read_bytes()
 
 
+def test_lazily_conjugated_and_negated_views_are_written_as_torch_save_writes_them(tmp_path):
+    """Their storage holds the values before the conjugation: the staged view must keep the flag."""
+    x, y = torch.randn(8, dtype=torch.cfloat), torch.randn(8, dtype=torch.cfloat)
+    state = {"conj": x.conj(), "neg": y.conj().imag}
+    (tmp_path / "stock").mkdir()
+    torch.save(state, tmp_path / "stock" / "mp_rank_00_model_states.pt")
+    for defer in (False, True):
+        pool = StagingPool()
+        staged = pool.snapshot(state, "tag/mp_rank_00_model_states.pt", slot_key="m", defer=defer)
+        pool.copy(staged.deferred, background=False, checksum=False)
+        assert torch.equal(staged.obj["conj"], state["conj"]) and torch.equal(staged.obj["neg"], state["neg"])
+        ours = _write(tmp_path, f"ours-{defer}", staged.obj)
+        assert ours == (tmp_path / "stock" / "mp_rank_00_model_states.pt").read_bytes()
+
+
 def test_views_of_one_storage_share_one_staged_storage():
     state = _deepspeed_like_state()
     module = StagingPool().snapshot(state, "m.pt", slot_key="m", defer=False).obj["module"]
