@@ -13,8 +13,10 @@ zeros in exactly three places:
 
 - the CRC-32 field of each record's data descriptor (``PK\\x07\\x08``, right after the data);
 - the CRC-32 field of each record's central-directory entry;
-- the second half of the ``.data/serialization_id`` record: 20 decimal digits that fold the
-  CRC-32s of the records holding data, in file order, with ``c10::hash_combine``.
+- the second half of the ``.data/serialization_id`` record: 20 decimal digits that fold, with
+  ``c10::hash_combine`` in file order, the CRC-32 field of every write torch makes that begins with
+  a descriptor's signature: the descriptors', and also bytes 4-8 of any record's data that happen
+  to begin so (torch's stream writer cannot tell them apart).
 
 :class:`CrcFiller` stands between torch.save and the output stream and fills those in. It knows
 where a record's data starts and ends from the order of torch's ``write()`` calls (per record: the
@@ -90,11 +92,15 @@ class CrcFiller:
         self._expect = self._header
         self._names: list[str] = []
         self._crcs: list[Crc] = []
-        self._hashed: list[bool] = []  # whether a record holds data (only those count in the serialization id)
+        #: What torch folds into the serialization id, in order: the CRC-32 field of every write that begins
+        #: with a descriptor's signature (``ostream_write_func`` in torch's inline_container.cc): each
+        #: descriptor's, and bytes 4-8 of a record's data that begin so too. ``None``: data that do not.
+        self._folded: list[int | Callable[[], int | None] | None] = []
         self._lengths = (0, 0)  # the current record's name and extra-field lengths
         self._extra_left = 0
         self._described = False
         self._data_size = 0
+        self._ambiguous = b""  # what _data could not yet tell from an empty record's descriptor
         self._tail = bytearray()
         self.error: BaseException | None = None
 
@@ -154,14 +160,29 @@ class CrcFiller:
         if self._described:
             self._expect = self._data
         else:  # a record without data (an empty storage): no data, no descriptor, a zero CRC-32
-            self._record(0, hashed=False)
+            self._crcs.append(0)
             self._expect = self._header
 
     def _data(self, view: memoryview) -> None:
-        if self._is_descriptor(view, 0):  # a record described but without data
-            self._record(0, hashed=False)
-            self._descriptor(view)
+        if self._is_descriptor(view, 0):
+            # a record described but without data, or 16 or 24 bytes of data that read like its descriptor
+            # (an int64 tensor [0x08074B50, 0]): the next write tells, a descriptor of that many bytes or not
+            self._ambiguous = bytes(view)
+            self._expect = self._after_ambiguous
             return
+        self._data_record(view)
+
+    def _after_ambiguous(self, view: memoryview) -> None:
+        held = memoryview(self._ambiguous)
+        if self._is_descriptor(view, held.nbytes):
+            self._data_record(held)
+            self._descriptor_after_data(view)
+        else:
+            self._crcs.append(0)
+            self._descriptor(held)
+            self._header(view)
+
+    def _data_record(self, view: memoryview) -> None:
         crc: Crc
         if self._names[-1].endswith(_SERIALIZATION_ID):
             view = memoryview(self._serialization_id(view.tobytes()))
@@ -169,7 +190,11 @@ class CrcFiller:
         else:
             known = self._record_crcs.get((buffer_address(view), view.nbytes))
             crc = known if known is not None else crc32(view)
-        self._record(crc, hashed=True)
+        if isinstance(crc, int):  # data passing through: torch's memory, valid during this call only
+            self._folded.append(_descriptor_field(view))
+        else:  # a staging buffer, whose copy may still run: read once its CRC-32 is known
+            self._folded.append(functools.partial(_descriptor_field, view, crc))
+        self._crcs.append(crc)
         self._data_size = view.nbytes
         self._expect = self._descriptor_after_data
         self._sink.write(view, crc=crc)
@@ -181,23 +206,21 @@ class CrcFiller:
     def _descriptor(self, view: memoryview) -> None:
         patched = bytearray(view)
         struct.pack_into("<I", patched, 4, resolve_crc(self._crcs[-1]))
+        self._folded.append(self._crcs[-1])
         self._expect = self._header
         self._sink.write(memoryview(patched), crc=None)
 
     def _hold(self, view: memoryview) -> None:
         self._tail += view
 
-    def _record(self, crc: Crc, *, hashed: bool) -> None:
-        self._crcs.append(crc)
-        self._hashed.append(hashed)
-
     def _serialization_id(self, digits: bytes) -> bytes:
-        """torch's serialization id with its second half, the folded CRC-32s of the records before it."""
+        """torch's serialization id with its second half: what :attr:`_folded` lists, folded."""
         self._check(len(digits) == 40 and digits.isdigit(), "a 40-digit serialization id", memoryview(digits))
         folded = 0
-        for crc, hashed in zip(self._crcs, self._hashed):
-            if hashed:
-                folded = hash_combine(folded, resolve_crc(crc))
+        for entry in self._folded:
+            value = entry() if callable(entry) else entry
+            if value is not None:
+                folded = hash_combine(folded, value)
         return digits[:20] + b"%020d" % folded
 
     def _central_directory(self, tail: bytearray) -> bytearray:
@@ -224,6 +247,13 @@ class CrcFiller:
         if not ok:
             raise ZipLayoutError(f"torch.save {torch.__version__} wrote {bytes(view[:16])!r}... where async_ckpt "
                                  f"expected {what}; its CRC-32s cannot be filled in. Report this with your torch version")
+
+
+def _descriptor_field(view: memoryview, crc: Crc = 0) -> int | None:
+    """The CRC-32 field torch reads from data that begin with a descriptor's signature, else ``None``;
+    once ``crc`` is known (the data are final then)."""
+    resolve_crc(crc)
+    return struct.unpack_from("<I", view, 4)[0] if view.nbytes >= 8 and view[:4] == _DESCRIPTOR else None
 
 
 def resolve_crc(crc: Crc) -> int:

@@ -48,6 +48,13 @@ OBJECTS = {
     "no_tensor": lambda: {"step": 7, "names": ["x", "y"]},
     "nested_optimizer_like": lambda: {"state": {0: {"exp_avg": torch.randn(2048), "step": torch.tensor(4.0)}},
                                       "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99)}]},
+    # data that begin with a data descriptor's signature (PK\x07\x08): 16 or 24 bytes that read exactly like an
+    # empty record's descriptor, and longer data, whose bytes 4-8 torch folds into its serialization id
+    "data_like_a_descriptor": lambda: {"seed": torch.tensor([0x08074B50, 0], dtype=torch.int64),
+                                       "x": torch.tensor([0x08074B50, 7, 0, 0], dtype=torch.int32),
+                                       "y": torch.tensor([0x08074B50, 0, 0], dtype=torch.int64),
+                                       "long": torch.cat([torch.tensor([0x08074B50, 9], dtype=torch.int32),
+                                                          torch.arange(1000, dtype=torch.int32)])},
 }
 
 
@@ -80,6 +87,39 @@ def test_a_crc_computed_ahead_is_used_for_its_record():
     torch_zip.save({"t": tensor}, sink, {key: ahead})
     assert asked and ahead in sink.crcs
     assert sink.out.getvalue().count((0x12345678).to_bytes(4, "little")) == 2  # descriptor + central directory
+
+
+def test_data_computed_ahead_that_begin_like_a_descriptor_are_folded_once_their_copy_ends():
+    """A staging buffer's bytes are final only once its CRC-32 is known: torch's fold reads them after."""
+    final = torch.cat([torch.tensor([0x08074B50, 9], dtype=torch.int32), torch.arange(4094, dtype=torch.int32)])
+    staged = torch.zeros_like(final)  # the copy has not run yet when torch.save writes the record
+    key = (staged.untyped_storage().data_ptr(), staged.untyped_storage().nbytes())
+
+    def copy_then_crc() -> int:
+        staged.copy_(final)
+        return zlib.crc32(staged.numpy().tobytes())
+
+    class LendingSink:
+        """Keeps a staging buffer's view, as async_ckpt's writer does, and reads it once its copy ended."""
+
+        def __init__(self) -> None:
+            self.parts: list = []
+
+        def write(self, data, crc=None) -> int:
+            self.parts.append((data, crc) if callable(crc) else (bytes(data), None))
+            return memoryview(data).nbytes
+
+        def flush(self) -> None:
+            pass
+
+    sink = LendingSink()
+    torch_zip.save({"t": staged}, sink, {key: copy_then_crc})
+    written = b""
+    for data, crc in sink.parts:
+        if crc is not None:
+            crc()  # the copy into the buffer has ended
+        written += bytes(data)
+    assert written == _torch_bytes({"t": final})
 
 
 def test_records_over_4_gib_get_their_zip64_crcs_like_torch():
