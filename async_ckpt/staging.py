@@ -253,7 +253,7 @@ class StagingPool:
         """``obj`` with its tensors in pooled buffers, and the copies that fill them (not started)."""
         pairs: list[CopyPair] = []
         with torch.no_grad():
-            staged = self._copy_tree(obj, slot_key, iter(range(1 << 62)), memo, pairs, path="")
+            staged = self._copy_tree(obj, slot_key, memo, pairs, path="")
         return staged, pairs
 
     def copy(self, pairs: list[CopyPair], *, background: bool = False, checksum: bool = True) -> CopyTicket:
@@ -400,13 +400,13 @@ class StagingPool:
             in_flight.popleft().synchronize()
         return event
 
-    def _buffer_for(self, slot: tuple[str, int], nbytes: int, device: torch.device) -> torch.Tensor:
+    def _buffer_for(self, slot: tuple[str, str], nbytes: int, device: torch.device) -> torch.Tensor:
         """A host buffer for a copy from ``device``; for a CUDA one, pinned (see :meth:`_placed_buffer`)."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return self._placed_buffer(slot, nbytes, pin_for=device if device.type == "cuda" else None)
 
-    def _placed_buffer(self, slot: tuple[str, int], nbytes: int, pin_for: torch.device | None) -> torch.Tensor:
+    def _placed_buffer(self, slot: tuple[str, str], nbytes: int, pin_for: torch.device | None) -> torch.Tensor:
         """A host buffer whose address is congruent, modulo :data:`PLACEMENT_ALIGN`, to the file offset
         the same slot's bytes were written at last time (the record layout repeats from save to save), or,
         for a buffer no write has placed yet, will be written at (the snapshot's ``offsets_of``).
@@ -451,7 +451,7 @@ class StagingPool:
                 return self._reserve, start, length
         return anonymous_memory(length), 0, length
 
-    def _view_in_staged_storage(self, src: torch.Tensor, slot_key: str, counter: Any, memo: _Memo,
+    def _view_in_staged_storage(self, src: torch.Tensor, slot_key: str, path: str, memo: _Memo,
                                 pairs: list[CopyPair]) -> torch.Tensor:
         """The host tensor with ``src``'s shape, strides and offset inside a staged copy of its storage.
 
@@ -463,7 +463,7 @@ class StagingPool:
         key = storage._cdata  # the storage's identity, as torch.save keys it
         staged = memo.storages.get(key)
         if staged is None:
-            staged = self._buffer_for((slot_key, next(counter)), storage.nbytes(), src.device)
+            staged = self._buffer_for((slot_key, path), storage.nbytes(), src.device)
             whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage)
             pairs.append((staged, whole))
             memo.storages[key] = staged
@@ -477,11 +477,11 @@ class StagingPool:
             view = torch._neg_view(view)
         return view
 
-    def _compact_copy(self, src: torch.Tensor, slot_key: str, counter: Any, pairs: list[CopyPair]) -> torch.Tensor:
+    def _compact_copy(self, src: torch.Tensor, slot_key: str, path: str, pairs: list[CopyPair]) -> torch.Tensor:
         """A host tensor laid out as ``src.detach().clone()`` would be, in a pooled buffer of its own."""
         layout = torch.empty_like(src, device="meta")  # the strides clone() picks (preserve_format)
         nbytes = src.numel() * src.element_size()
-        staged = self._buffer_for((slot_key, next(counter)), nbytes, src.device)
+        staged = self._buffer_for((slot_key, path), nbytes, src.device)
         dst = torch.empty(0, dtype=src.dtype).set_(staged.untyped_storage(), 0, layout.size(), layout.stride())
         pairs.append((dst, src.detach()))
         return dst
@@ -496,26 +496,28 @@ class StagingPool:
             dst = dst.as_subclass(type(src))
         return dst.requires_grad_(grad)
 
-    def _copy_tree(self, obj: Any, slot_key: str, counter: Any, memo: _Memo,
-                   pairs: list[CopyPair], path: str) -> Any:
+    def _copy_tree(self, obj: Any, slot_key: str, memo: _Memo, pairs: list[CopyPair], path: str) -> Any:
+        """``obj`` staged. ``path`` (``['optimizer_state_dict']['state'][0]['exp_avg']``) names a tensor's
+        buffer from save to save: a tensor that appears (Adam's moments, made at the first step) or goes
+        does not move the others to new buffers, which on a GPU would be pinned again in the stall."""
         if isinstance(obj, torch.Tensor) and memo.compact:
             if obj.layout != torch.strided:
                 raise UsageError(f"cannot snapshot {path or 'tensor'}: layout {obj.layout} is not supported")
-            return self._compact_copy(obj, slot_key, counter, pairs)
+            return self._compact_copy(obj, slot_key, path, pairs)
         if isinstance(obj, torch.Tensor):
             if id(obj) in memo.tensors:  # the same tensor twice in one dict stays one tensor
                 return memo.tensors[id(obj)]
             if obj.layout != torch.strided:
                 raise UsageError(f"cannot snapshot {path or 'tensor'}: layout {obj.layout} is not supported")
-            dst = self._view_in_staged_storage(obj, slot_key, counter, memo, pairs)
+            dst = self._view_in_staged_storage(obj, slot_key, path, memo, pairs)
             memo.tensors[id(obj)] = dst = self._like(obj, dst)
             for name, value in vars(obj).items():  # e.g. ZeRO-3's ds_id on flat groups; torch.save writes them
-                setattr(dst, name, self._copy_tree(value, slot_key, counter, memo, pairs, f"{path}.{name}"))
+                setattr(dst, name, self._copy_tree(value, slot_key, memo, pairs, f"{path}.{name}"))
             return dst
         if isinstance(obj, (dict, list, tuple)):
             if not memo.compact and id(obj) in memo.containers:
                 return memo.containers[id(obj)]
-            out = self._copy_container(obj, slot_key, counter, memo, pairs, path)
+            out = self._copy_container(obj, slot_key, memo, pairs, path)
             if not memo.compact:
                 memo.containers[id(obj)] = out
             return out
@@ -525,17 +527,17 @@ class StagingPool:
             raise UsageError(f"cannot snapshot {path or 'value'} of type {type(obj).__name__}: {exc}; "
                              "client_state values must be copyable (picklable)") from exc
 
-    def _copy_container(self, obj: dict | list | tuple, slot_key: str, counter: Any, memo: _Memo,
+    def _copy_container(self, obj: dict | list | tuple, slot_key: str, memo: _Memo,
                         pairs: list[CopyPair], path: str) -> Any:
         if isinstance(obj, dict):
-            items = {key: self._copy_tree(value, slot_key, counter, memo, pairs, f"{path}.{key}")
+            items = {key: self._copy_tree(value, slot_key, memo, pairs, f"{path}[{key!r}]")
                      for key, value in obj.items()}
             if memo.compact:  # as DeepSpeed's clone rebuilds it: no attributes (a state dict's _metadata)
                 return type(obj)(items)
             out = copy.copy(obj)
             out.update(items)
             return out
-        elements = [self._copy_tree(v, slot_key, counter, memo, pairs, f"{path}[{i}]") for i, v in enumerate(obj)]
+        elements = [self._copy_tree(v, slot_key, memo, pairs, f"{path}[{i}]") for i, v in enumerate(obj)]
         if isinstance(obj, list):
             return type(obj)(elements) if type(obj) is not list and not memo.compact else elements
         if memo.compact:

@@ -76,6 +76,21 @@ def test_staged_buffers_are_reused_by_the_next_snapshot():
     assert pool.allocations == first
 
 
+def test_tensors_that_appear_in_a_later_snapshot_leave_the_others_in_their_buffers():
+    """A save before the first step has no Adam moments; the next one has: the flat groups keep their buffers."""
+    flat = torch.randn(1000)
+    before_step = {"state": {}, "fp32_flat_groups": [flat], "step": 0}
+    after_step = {"state": {0: {"exp_avg": torch.randn(1000), "exp_avg_sq": torch.randn(1000)}},
+                  "fp32_flat_groups": [flat], "step": 1}
+    pool = StagingPool()
+    first = pool.snapshot(before_step, "o.pt", slot_key="o", defer=False).obj["fp32_flat_groups"][0]
+    allocations = pool.allocations
+    second = pool.snapshot(after_step, "o.pt", slot_key="o", defer=False).obj
+    assert second["fp32_flat_groups"][0].data_ptr() == first.data_ptr()
+    assert pool.allocations == allocations + 2
+    assert torch.equal(second["state"][0]["exp_avg"], after_step["state"][0]["exp_avg"])
+
+
 def test_stream_mode_writes_the_same_tensors_under_archive_records(tmp_path):
     state = _deepspeed_like_state()
     data = _write(tmp_path, "stream", state, exact_bytes=False)
