@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from async_ckpt.config import timeout_argument
 from async_ckpt.errors import WaitTimeoutError
 
 
@@ -67,17 +68,17 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until committed or failed, at most ``timeout`` seconds; return :meth:`done`."""
-        return _settles(self._future, timeout)
+        return _settles(self._future, _timeout("wait", timeout))
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Block until committed; re-raise the background failure (:class:`SaveFailedError`), or raise
         :class:`WaitTimeoutError` once ``timeout`` seconds have passed."""
-        return self._bounded(self._future, self._future.result, timeout, "committed")
+        return self._bounded(self._future, self._future.result, _timeout("result", timeout), "committed")
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until committed or failed; the failure (:class:`SaveFailedError`), or ``None``;
         :class:`WaitTimeoutError` once ``timeout`` seconds have passed."""
-        return self._bounded(self._future, self._future.exception, timeout, "settled")
+        return self._bounded(self._future, self._future.exception, _timeout("exception", timeout), "settled")
 
     def local_done(self) -> bool:
         """Committed on the first tier (the local tier, or the URL without one), or failed."""
@@ -85,12 +86,13 @@ class SaveHandle:
 
     def wait_local(self, timeout: float | None = None) -> bool:
         """Block until :meth:`local_done`, at most ``timeout`` seconds; return it."""
-        return _settles(self._local, timeout)
+        return _settles(self._local, _timeout("wait_local", timeout))
 
     def local_result(self, timeout: float | None = None) -> SaveResult:
         """Block until committed on the first tier (its ``url`` says which); re-raise its failure, or raise
         :class:`WaitTimeoutError` once ``timeout`` seconds have passed."""
-        return self._bounded(self._local, self._local.result, timeout, "committed on its first tier")
+        return self._bounded(self._local, self._local.result, _timeout("local_result", timeout),
+                             "committed on its first tier")
 
     def _bounded(self, future: Future, call: Callable[[float | None], Any], timeout: float | None, what: str) -> Any:
         """``call(timeout)``, its timeout raised as the :class:`WaitTimeoutError` every other bounded wait of
@@ -115,6 +117,13 @@ class SaveHandle:
         if not self._local.done():
             self._local.set_exception(exc)
         self._future.set_exception(exc)
+
+
+def _timeout(call: str, timeout: Any) -> float | None:
+    """``timeout`` checked as every wait's is (:class:`~async_ckpt.errors.ConfigError` before waiting); infinity
+    is no limit, which ``Future`` takes as ``None`` only."""
+    checked = timeout_argument(f"{call}(timeout=...)", timeout)
+    return None if checked == float("inf") else checked
 
 
 def _settles(future: Future, timeout: float | None) -> bool:

@@ -29,7 +29,7 @@ from async_ckpt.commit import add_marks_lock, apply_retention, mark_started
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.gc import collect_garbage
-from async_ckpt.handle import SaveHandle
+from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Handshake
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import MANIFEST
@@ -134,6 +134,20 @@ def test_each_blocking_call_of_a_handle_gives_up_with_a_wait_timeout_error(call,
     handle = SaveHandle(tag="t", url="/ckpt")
     with pytest.raises(WaitTimeoutError, match=f"tag 't' to /ckpt was not {what} within 0.01 s"):
         getattr(handle, call)(timeout=0.01)
+
+
+@pytest.mark.parametrize("call", ["wait", "result", "exception", "wait_local", "local_result"])
+@pytest.mark.parametrize("timeout", [float("nan"), "5", -1, 1e30, True])
+def test_a_handles_bad_timeout_is_a_config_error_naming_the_call_before_it_waits(call, timeout):
+    with pytest.raises(ConfigError, match=rf"{call}\(timeout=\.\.\.\) must be a number"):
+        getattr(SaveHandle(tag="t", url="/ckpt"), call)(timeout=timeout)
+
+
+def test_a_handles_infinite_timeout_waits_without_limit():
+    handle = SaveHandle(tag="t", url="/ckpt")
+    threading.Timer(0.2, handle._succeed, [SaveResult(tag="t", url="/ckpt", bytes_written=0, stall_s=0.0,
+                                                      persist_s=0.0, commit_s=0.0)]).start()
+    assert handle.result(timeout=float("inf")).tag == "t" and handle.wait(timeout=float("inf"))
 
 
 def test_a_save_that_failed_with_a_timeout_error_of_its_own_is_re_raised_as_it_was():
