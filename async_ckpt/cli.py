@@ -13,13 +13,14 @@ import contextlib
 import errno
 import importlib.util
 import json
-import math
 import os
 import sys
 import tempfile
 from dataclasses import asdict
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
+
+from async_ckpt.arguments import COUNT, GIGABYTES, INDEX, SECONDS
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -195,22 +196,6 @@ def _json_object(text: str, flag: str) -> dict[str, Any]:
     return value
 
 
-def _bounded_number(kind: type, minimum: float) -> Callable[[str], Any]:
-    """An argparse ``type`` that parses ``kind`` and refuses values below ``minimum``, naming both."""
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-        if not (value >= minimum and math.isfinite(value)):  # NaN fails too
-            raise argparse.ArgumentTypeError(f"must be at least {minimum:g} and finite, got {text!r}")
-        return value
-    return parse
-
-
-_COUNT, _INDEX = _bounded_number(int, 1), _bounded_number(int, 0)
-_SECONDS, _GIGABYTES = _bounded_number(float, 0), _bounded_number(float, 1e-9)  # a shard of one byte at least
 
 
 def _require_extra(extra: str, modules: tuple[str, ...]) -> None:
@@ -264,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small GPT on 2 CPU ranks, save asynchronously, resume")
     demo.add_argument("--dir", default=None, help="checkpoint root (default: a new temporary folder)")
-    demo.add_argument("--steps", type=_COUNT, default=20, help="training steps in phase 1 (default 20)")
-    demo.add_argument("--save-every", type=_COUNT, default=5, help="steps between saves (default 5)")
+    demo.add_argument("--steps", type=COUNT, default=20, help="training steps in phase 1 (default 20)")
+    demo.add_argument("--save-every", type=COUNT, default=5, help="steps between saves (default 5)")
     demo.add_argument("--size", choices=["tiny", "small", "bench"], default="small", help="model size")
     demo.set_defaults(func=_demo)
     ls = sub.add_parser("ls", help="list tags: committed or incomplete, step, size, ranks, ZeRO stage, time")
@@ -276,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=_verify)
     gc = sub.add_parser("gc", help="remove incomplete tags, partial files and orphaned multipart uploads")
     _root_args(gc)
-    gc.add_argument("--grace-s", type=_SECONDS, default=3600.0,
+    gc.add_argument("--grace-s", type=SECONDS, default=3600.0,
                     help="leave anything younger alone (default 3600)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     gc.set_defaults(func=_gc)
@@ -284,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(parallel, resumable, verified)")
     _root_args(pull, tag_verb="pull")
     pull.add_argument("--dest", required=True, help="local folder; becomes a checkpoint root with 'latest'")
-    pull.add_argument("--rank", type=_INDEX, default=None, help="only the files this data-parallel rank loads")
-    pull.add_argument("--concurrency", type=_COUNT, default=8, help="files fetched at once (default 8)")
+    pull.add_argument("--rank", type=INDEX, default=None, help="only the files this data-parallel rank loads")
+    pull.add_argument("--concurrency", type=COUNT, default=8, help="files fetched at once (default 8)")
     pull.add_argument("--quiet", action="store_true", help="no progress bar")
     pull.set_defaults(func=_pull)
     export = sub.add_parser("export", help="consolidate a tag (DeepSpeed's zero_to_fp32) into a Hugging Face "
@@ -295,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
     export.add_argument("--safetensors", action=argparse.BooleanOptionalAction, default=True,
                         help="safetensors shards (default) or, with --no-safetensors, pytorch_model .bin shards")
-    export.add_argument("--max-shard-gb", type=_GIGABYTES, default=5.0, help="largest shard in GB (default 5)")
+    export.add_argument("--max-shard-gb", type=GIGABYTES, default=5.0, help="largest shard in GB (default 5)")
     export.set_defaults(func=_export)
     universal = sub.add_parser("to-universal", help="convert a tag with DeepSpeed's ds_to_universal so it loads "
                                                     "on any number of ranks (checkpoint.load_universal)")
@@ -304,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     universal.add_argument("--out-tag", default=None, help="name of the converted tag (default: <tag>_universal)")
     universal.add_argument("--out-storage-options", default=None,
                            help="fsspec options for --out as JSON (default: the source's options)")
-    universal.add_argument("--workers", type=_COUNT, default=2, help="ds_to_universal worker processes (default 2)")
+    universal.add_argument("--workers", type=COUNT, default=2, help="ds_to_universal worker processes (default 2)")
     universal.set_defaults(func=_to_universal)
     bench = sub.add_parser("bench", help="save stall, time to durable and slowdown vs stock DeepSpeed, "
                                          "DCP async_save and the hardware floors")

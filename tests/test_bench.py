@@ -13,6 +13,7 @@ from async_ckpt.bench.floors import CHUNK, WAYS, _write_s
 from async_ckpt.bench.methods import METHODS, ON_REQUEST
 from async_ckpt.bench.report import table as report_table
 from async_ckpt.bench.save_bench import DEFAULT_METHODS, BenchConfig, run
+from async_ckpt.errors import UsageError
 from async_ckpt.launch import RankError
 
 METRICS = {"stall_s", "durable_s", "persist_gbps", "persist_vs_floor", "stall_vs_copy_floor", "bytes_per_save",
@@ -361,9 +362,9 @@ def test_bench_rounds_leave_every_rounds_first_save_out_of_the_steady_stall(mlp_
 def test_bench_refuses_rounds_below_one_and_rounds_of_tiered_runs(tmp_path):
     from async_ckpt.bench.save_bench import BenchConfig
 
-    with pytest.raises(SystemExit, match="--rounds"):
+    with pytest.raises(UsageError, match="--rounds"):
         run(BenchConfig.quick(rounds=0, out=str(tmp_path)))
-    with pytest.raises(SystemExit, match="--rounds"):
+    with pytest.raises(UsageError, match="--rounds"):
         run(BenchConfig.quick(target="tiered", rounds=2, out=str(tmp_path)))
 
 

@@ -334,12 +334,23 @@ def test_an_unreachable_endpoint_is_a_clear_error(capsys):
                                        (("export", "{root}", "--out", "{tmp}/e", "--max-shard-gb", "0"), "--max-shard-gb"),
                                        (("gc", "{root}", "--grace-s", "-1"), "--grace-s"),
                                        (("export", "{root}", "--out", "{tmp}/e", "--max-shard-gb", "inf"), "--max-shard-gb"),
-                                       (("demo", "--steps", "0"), "--steps")])
+                                       (("export", "{root}", "--out", "{tmp}/e", "--max-shard-gb", "1e300"),
+                                        "--max-shard-gb"),
+                                       (("demo", "--steps", "0"), "--steps"),
+                                       (("bench", "--quick", "--ranks", "0"), "--ranks"),
+                                       (("bench", "--quick", "--saves", "-1"), "--saves"),
+                                       (("bench", "--quick", "--steps-between", "0"), "--steps-between"),
+                                       (("bench", "--quick", "--rounds", "0"), "--rounds")])
 def test_an_out_of_range_number_is_refused_naming_the_flag(argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main([a.format(root=tmp_path, tmp=tmp_path) for a in argv])
     assert exit_info.value.code == 2 and f"argument {flag}: must be at least" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_refuses_an_unknown_method_as_bad_input(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "bench", "--quick", "--methods", "stock,bogus", "--out", str(tmp_path / "out"))
+    assert code == 2 and "unknown method(s) ['bogus']" in err and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("argv,error", [(("--steps", "12", "--save-every", "5"), "not a multiple of --save-every"),

@@ -18,11 +18,14 @@ import os
 import platform
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from async_ckpt.arguments import COUNT
+from async_ckpt.errors import UsageError
 from async_ckpt.workload import MLP_SIZES, SIZES
 from async_ckpt.bench.methods import METHODS, ON_REQUEST
 from async_ckpt.bench.writeback import DRAIN_CAP_S
@@ -268,17 +271,18 @@ def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
 def run(cfg: BenchConfig) -> dict:
     """Run the benchmark; write ``results.json``, ``timeline.png`` and print the table."""
     if cfg.workload not in WORKLOADS:
-        raise SystemExit(f"unknown workload {cfg.workload!r}; choose from {list(WORKLOADS)}")
+        raise UsageError(f"unknown workload {cfg.workload!r}; choose from {list(WORKLOADS)}")
     sizes = MLP_SIZES if cfg.workload == "mlp" else SIZES
     if cfg.size not in sizes:
-        raise SystemExit(f"--workload {cfg.workload} has no size {cfg.size!r}; choose from {list(sizes)}")
+        raise UsageError(f"--workload {cfg.workload} has no size {cfg.size!r}; choose from {list(sizes)}")
     for flag, value in (("--threads-per-rank", cfg.threads_per_rank), ("--micro-batch", cfg.micro_batch),
-                        ("--rounds", cfg.rounds)):
+                        ("--rounds", cfg.rounds), ("--ranks", cfg.ranks), ("--saves", cfg.saves),
+                        ("--steps-between", cfg.steps_between)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise SystemExit(f"{flag} must be a positive integer, got {value!r}")
+            raise UsageError(f"{flag} must be a positive integer, got {value!r}")
     if cfg.target == "tiered":
         if cfg.workload != "gpt" or cfg.rounds != 1:
-            raise SystemExit("--target tiered trains the gpt workload only, in one round (drop --workload/--rounds)")
+            raise UsageError("--target tiered trains the gpt workload only, in one round (drop --workload/--rounds)")
         from async_ckpt.bench.tiered import run as run_tiered
 
         return run_tiered(cfg)
@@ -287,7 +291,7 @@ def run(cfg: BenchConfig) -> dict:
 
     unknown = set(cfg.methods) - set(METHODS)
     if unknown:
-        raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {ALL_METHODS}")
+        raise UsageError(f"unknown method(s) {sorted(unknown)}; choose from {ALL_METHODS}")
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="async_ckpt_bench_")  # removed at the end if ours
     target, server = _start_target(cfg, workdir)
     started = time.time()
@@ -315,21 +319,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one rank per GPU over NCCL, pinned staging on a side stream")
-    parser.add_argument("--ranks", type=int, default=None, help="default: 2 on cpu, every visible GPU on cuda")
+    parser.add_argument("--ranks", type=COUNT, default=None, help="default: 2 on cpu, every visible GPU on cuda")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="gpt",
                         help="gpt: the small GPT model; mlp: 8 x Linear(3072) at micro-batch 64, long CPU-heavy "
                              "steps (--quick: 2 x Linear(256), batch 8)")
     parser.add_argument("--size", choices=list(SIZES), default=None,
                         help=f"model size (--workload mlp: one of {list(MLP_SIZES)})")
-    parser.add_argument("--micro-batch", type=int, default=None,
+    parser.add_argument("--micro-batch", type=COUNT, default=None,
                         help="micro-batch per rank (default: 2 for gpt, the size's for mlp); on a GPU the gpt "
                              "default leaves steps bound by kernel launches and noisy, a larger one quiets them")
-    parser.add_argument("--threads-per-rank", type=int, default=None,
+    parser.add_argument("--threads-per-rank", type=COUNT, default=None,
                         help="PyTorch threads per rank (default: PyTorch's, every CPU in every rank; CPUs / ranks "
                              "shares them out as DeepSpeed's launcher with --bind_cores_to_rank does)")
-    parser.add_argument("--saves", type=int, default=None, help="saves per method")
-    parser.add_argument("--steps-between", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--saves", type=COUNT, default=None, help="saves per method")
+    parser.add_argument("--steps-between", type=COUNT, default=None)
+    parser.add_argument("--rounds", type=COUNT, default=1,
                         help="how many times the methods take turns (each with --saves saves), so that the run's "
                              "drift in step time falls on every method alike")
     parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
@@ -348,7 +352,7 @@ def _default_ranks(device: str) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA GPU is visible")
+        raise UsageError("--device cuda: no CUDA GPU is visible")
     return torch.cuda.device_count()
 
 
@@ -357,7 +361,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     overrides = {k: v for k, v in {"size": args.size, "saves": args.saves, "steps_between": args.steps_between}.items()
                  if v is not None}
     return BenchConfig(**{**asdict(base), **overrides, "stage": args.stage, "dtype": args.dtype, "device": args.device,
-                          "ranks": args.ranks or _default_ranks(args.device),
+                          "ranks": args.ranks if args.ranks is not None else _default_ranks(args.device),
                           "target": "s3" if args.url and args.target != "tiered" else args.target,
                           "url": args.url, "endpoint": args.endpoint,
                           "methods": [m for m in args.methods.split(",") if m], "out": args.out,
@@ -368,7 +372,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m async_ckpt.bench.save_bench", description=__doc__)
     add_arguments(parser)
-    run(config_from_args(parser.parse_args(argv)))
+    try:
+        run(config_from_args(parser.parse_args(argv)))
+    except UsageError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,29 @@
+"""Argument types shared by the ``async-ckpt`` commands and the benchmarks: a bad number is refused by
+argparse, naming the flag and the value (exit 2), before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any, Callable
+
+
+def bounded_number(kind: type, minimum: float, maximum: float = math.inf) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses ``kind`` and refuses values outside ``[minimum, maximum]``, naming them."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not (minimum <= value <= maximum and math.isfinite(value)):  # NaN fails too
+            within = f"at least {minimum:g}" + (f" and at most {maximum:g}" if maximum < math.inf else " and finite")
+            raise argparse.ArgumentTypeError(f"must be {within}, got {text!r}")
+        return value
+    return parse
+
+
+COUNT, INDEX = bounded_number(int, 1), bounded_number(int, 0)
+SECONDS = bounded_number(float, 0)
+#: A shard of one byte at least, and of at most a petabyte (its size in bytes stays a finite integer).
+GIGABYTES = bounded_number(float, 1e-9, 1e6)
