@@ -21,9 +21,13 @@ _LONGEST_S = 1e8  # about three years: any longer wait overflows neither a timed
 
 
 def default_cache_dir() -> str:
-    """Where resumes from remote storage keep the files they fetched."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir())
-    return os.path.join(base, "async_ckpt_cache")
+    """Where resumes from remote storage keep the files they fetched: ``$XDG_CACHE_HOME/async_ckpt_cache``,
+    else a folder of this user's in the temporary folder (one shared by every user would be made with
+    the first one's permissions, and refuse the others' resumes)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return os.path.join(xdg, "async_ckpt_cache")
+    return os.path.join(tempfile.gettempdir(), f"async_ckpt_cache-{os.getuid() if hasattr(os, 'getuid') else 0}")
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,8 @@ class CheckpointConfig:
             object-store uploads. Signing and checksumming a part costs CPU, so one thread caps
             upload speed; more than the cores you can spare buys nothing. At most max_concurrency.
         cache_dir: local folder (not a URL) for files fetched from remote storage on resume (default:
-            ``$XDG_CACHE_HOME/async_ckpt_cache``, else ``async_ckpt_cache`` in the temporary folder).
+            ``$XDG_CACHE_HOME/async_ckpt_cache``, else ``async_ckpt_cache-<uid>`` in the temporary folder;
+            ``~`` is expanded).
         retry_attempts: tries per object-store request before a transient error (5xx, throttling,
             timeouts, resets) fails the save.
         retry_base_delay_s: first backoff delay; it doubles per retry, with full jitter.
@@ -210,7 +215,7 @@ class CheckpointConfig:
         cache_dir = local_path(_path_text("cache_dir", self.cache_dir, "a local folder path"))
         if not cache_dir:  # a URL, or file:// naming no folder
             raise ConfigError(f"cache_dir must be a local folder path, not a URL, got {self.cache_dir!r}")
-        object.__setattr__(self, "cache_dir", cache_dir)
+        object.__setattr__(self, "cache_dir", os.path.abspath(os.path.expanduser(cache_dir)))
 
     @property
     def effective_wait_timeout_s(self) -> float:

@@ -231,6 +231,20 @@ def test_a_file_url_cache_dir_is_kept_as_its_path():
     assert CheckpointConfig(url="s3://bucket/run1", cache_dir="file:///tmp/cache").cache_dir == "/tmp/cache"
 
 
+def test_a_cache_dir_under_home_or_relative_is_made_absolute(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert CheckpointConfig(url="s3://bucket/run1", cache_dir="~/c").cache_dir == str(tmp_path / "c")
+    assert CheckpointConfig(url="s3://bucket/run1", cache_dir="rel").cache_dir == str(tmp_path / "rel")
+
+
+def test_the_default_cache_dir_is_this_users_own(monkeypatch):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert CheckpointConfig(url="s3://bucket/run1").cache_dir.endswith(f"async_ckpt_cache-{os.getuid()}")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert CheckpointConfig(url="s3://bucket/run1").cache_dir == "/xdg/async_ckpt_cache"
+
+
 def test_s3s_largest_part_is_a_valid_part_size():
     assert CheckpointConfig(url="s3://bucket/run1", part_size=5 * 1024**3).part_size == 5 * 1024**3
 
