@@ -32,8 +32,9 @@ def _storage(args: argparse.Namespace, *, options_elsewhere: bool = False) -> An
     from async_ckpt.errors import CheckpointNotFoundError, UsageError
     from async_ckpt.storage import open_storage
 
-    if not args.url.strip():
-        raise UsageError("the checkpoint URL is empty; pass the root folder or URL the checkpoints were saved to")
+    if not args.url.strip() or local_path(args.url) == "":
+        raise UsageError(f"the checkpoint URL {args.url!r} names no folder; pass the root folder or URL the "
+                         "checkpoints were saved to")
     options = _source_options(args)
     if options and local_path(args.url) is not None:
         if not options_elsewhere:
@@ -72,6 +73,8 @@ def _ls(args: argparse.Namespace) -> int:
                      f"{(r['bytes'] or 0) / 1e9:>8.3f} {r['world_size'] or '-':>5} {r['zero_stage'] if r['zero_stage'] is not None else '-':>4} "
                      f"{r['dtype'] or '-':<5} {(r['time'] or '-')[:19]}")
     lines += [f"{r['tag']}: {r['state']}: {r['error']}" for r in rows if r["error"]]
+    if not rows and not storage.list_dir(""):
+        lines.append(f"(nothing is stored under {storage.url}: check the URL)")
     lines.append(f"(* = latest: {latest})" if latest else f"('latest' cannot be read: {latest_error})"
                  if latest_error else "(no 'latest' file)")
     _emit(args, {"url": storage.url, "latest": latest, "latest_error": latest_error, "tags": rows},

@@ -151,6 +151,8 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     tokenizer, config) are fetched: enough for that rank's ``load_checkpoint``.
     """
     local = storage.local_dir()
+    if not dest.strip():
+        raise UsageError("--dest is empty; pass the local folder to pull the tag into")
     if local is not None and os.path.realpath(local) == os.path.realpath(dest):
         raise UsageError(f"--dest {dest} is the checkpoint root itself; pull into another folder")
     if os.path.exists(dest) and not os.path.isdir(dest):

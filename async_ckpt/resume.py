@@ -14,7 +14,7 @@ import os
 import re
 
 from async_ckpt.catalog import inspect_latest, list_tags, read_manifest, refuse_unsupported_latest
-from async_ckpt.errors import CheckpointNotFoundError, NotCommittedError, VerificationError
+from async_ckpt.errors import CheckpointNotFoundError, InvalidTagError, NotCommittedError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.pull import PullReport, download, files_of_another_save
@@ -42,6 +42,9 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
     With ``universal``, the same among universal tags, by ``latest_universal``.
     """
     if tag is not None:
+        if tag in (LATEST, LATEST_UNIVERSAL):
+            raise InvalidTagError(f"{tag!r} is the file that names a tag, not a tag: leave the tag out (no --tag, "
+                                  f"tag=None) to use the tag it names")
         tag = validate_tag(tag)
         manifest = read_manifest(storage, tag)
         if manifest is not None:

@@ -132,6 +132,27 @@ def test_verify_of_a_missing_tag_is_a_clear_error(local_root, capsys):
     assert code == 2 and "'nope' not found" in err
 
 
+def test_verify_of_the_tag_latest_says_to_leave_the_tag_out(local_root, capsys):
+    code, _, err = run_cli(capsys, "verify", str(local_root), "--tag", "latest")
+    assert code == 2 and "leave the tag out" in err
+
+
+def test_a_file_url_naming_no_folder_is_refused(capsys):
+    code, _, err = run_cli(capsys, "ls", "file://")
+    assert code == 2 and "names no folder" in err
+
+
+def test_pull_into_an_empty_dest_is_refused(local_root, capsys):
+    code, _, err = run_cli(capsys, "pull", str(local_root), "--dest", "")
+    assert code == 2 and "--dest is empty" in err
+
+
+def test_ls_of_an_s3_prefix_holding_nothing_says_so(s3, capsys):
+    bucket = s3.make_bucket("cli-empty-prefix")
+    code, out, _ = run_cli(capsys, "ls", f"s3://{bucket}/typo", "--endpoint", s3.endpoint)
+    assert code == 0 and f"nothing is stored under s3://{bucket}/typo" in out
+
+
 def test_wrong_url_is_a_clear_error(capsys, tmp_path):
     code, _, err = run_cli(capsys, "ls", str(tmp_path / "missing"))
     assert code == 2 and "no such folder" in err
