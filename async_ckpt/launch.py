@@ -203,15 +203,19 @@ class RankGroup:
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         self._stack_dir = tempfile.mkdtemp(prefix="async_ckpt_ranks_")
         self._procs = []
-        for rank in range(world_size):
-            with _environment({**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                               "ASYNC_CKPT_STACK_FILE": self._stack_file(rank)}):
-                proc = ctx.Process(target=_worker, args=(self._tasks[rank], self._results, os.getpid(),
-                                                         dict(os.environ) if preload else None),
-                                   name=f"async_ckpt-rank{rank}", daemon=daemon)
-                self._procs.append(proc)
-                proc.start()
-        self._collect(start_timeout_s, "start")
+        try:
+            for rank in range(world_size):
+                with _environment({**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                   "ASYNC_CKPT_STACK_FILE": self._stack_file(rank)}):
+                    proc = ctx.Process(target=_worker, args=(self._tasks[rank], self._results, os.getpid(),
+                                                             dict(os.environ) if preload else None),
+                                       name=f"async_ckpt-rank{rank}", daemon=daemon)
+                    self._procs.append(proc)
+                    proc.start()
+            self._collect(start_timeout_s, "start")
+        except BaseException:  # a rank that started waits for tasks: a non-daemon one would hold up exit
+            self.close(force=True)
+            raise
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 900, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank."""
@@ -269,6 +273,7 @@ class RankGroup:
         return text
 
     def close(self, force: bool = False) -> None:
+        """Stop the ranks (at once with ``force``, else after their task, at most 60 s) and the queues' threads."""
         for proc, q in zip(self._procs, self._tasks):
             if proc.is_alive() and not force:
                 q.put(None)
@@ -277,6 +282,11 @@ class RankGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        for q in [*self._tasks, self._results]:
+            # a task no rank will read any more (its rank died) would keep the queue's feeder thread, which
+            # the interpreter joins at exit, blocked on a full pipe: exit would hang
+            q.cancel_join_thread()
+            q.close()
         shutil.rmtree(self._stack_dir, ignore_errors=True)
 
     @property

@@ -80,3 +80,22 @@ def test_a_rank_whose_starter_is_killed_exits_on_its_own(preload, tmp_path):
         starter.stdout.close()
         starter.stdin.close()
         stderr.close()
+
+
+_DEAD_RANK = """
+import os, signal
+from async_ckpt.launch import RankError, RankGroup
+group = RankGroup(1)
+os.kill(group._procs[0].pid, signal.SIGKILL)
+group._procs[0].join()
+try:
+    group.run(len, b"x" * (4 << 20), timeout_s=30)  # more than a pipe holds: it stays in the queue's thread
+except RankError as exc:
+    print("refused:", str(exc).splitlines()[0], flush=True)
+"""
+
+
+def test_a_task_left_for_a_dead_rank_does_not_hold_up_the_owners_exit():
+    done = subprocess.run([sys.executable, "-c", _DEAD_RANK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "refused: len: rank(s) [0] died" in done.stdout, done.stderr[-2000:]
+
