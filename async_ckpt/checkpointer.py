@@ -875,14 +875,20 @@ class AsyncCheckpointer:
         does not (a drain that failed or was cut short), oldest first. A tag saved by another number of
         ranks is left out: this job's ranks do not hold all of its files, and a drain would commit at the
         URL a tag that lacks the others' shards."""
+        # cleared before the listing, so that a drain failing meanwhile keeps the next save's listing due;
+        # set again if the listing fails
+        self._drain_failed = False
         # a save still in flight here is not undrained: its writer may have committed it on the node folder
         # and not yet handed it to the drainer, which would then drain it twice
         failed = self._drainer.failed_tags()  # recorded before their handles settle: not in flight
         in_flight = self._drainer.in_flight() | {handle.tag for handle in self._handles
                                                  if handle.url == self.storage.url and not handle.done()
                                                  and handle.tag not in failed}
-        pending = undrained(self._local, self.storage, in_flight)
-        self._drain_failed = False  # only once listed: a listing that fails leaves the retry due
+        try:
+            pending = undrained(self._local, self.storage, in_flight)
+        except BaseException:
+            self._drain_failed = True
+            raise
         other_size = [m for m in pending if m.world_size != self.world_size]
         for manifest in other_size:
             logger.error("tag %s in %s was saved by %d rank(s); this job runs %d, so it cannot drain it to %s: it "
