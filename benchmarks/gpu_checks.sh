@@ -55,7 +55,8 @@ checks() {
     # the limits add up to 510 s (+5 s each to kill): one call of a machine lent for 600 s at most
     step 90 cuda_tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
     step 330 bench_zero3_fp32 python3 -m async_ckpt bench --device cuda --size large --micro-batch "$micro_batch" \
-        --saves 3 --steps-between 15 --rounds 2 --methods stock,async_ckpt --out "$out/bench_zero3_fp32"
+        --saves 3 --steps-between 10 --rounds 2 --writeback-cap-s 20 --methods stock,async_ckpt \
+        --out "$out/bench_zero3_fp32"
     step 90 profile_zero3_fp32 python3 -m async_ckpt.bench.step_profile --device cuda --stage 3 --dtype fp32 \
         --size large --micro-batch "$micro_batch" --saves 2 --before 3 --after 6 --warmup 20 --steps-between 10 \
         --out "$out/profile_zero3_fp32"

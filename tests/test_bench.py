@@ -567,3 +567,14 @@ def test_bench_deletes_each_methods_checkpoints_before_the_next_method_trains(be
                    if "skipped" not in method)
     if report["target"]["kind"] == "local":
         assert not any((out / "work").glob("*/global_step*")) and not any((out / "work").rglob("*.pt"))
+
+
+def test_bench_writeback_cap_option_sets_how_long_a_method_trains_on_after_its_last_save():
+    import argparse
+
+    from async_ckpt.bench.save_bench import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--writeback-cap-s", "20"])).writeback_cap_s == 20.0
+    assert config_from_args(parser.parse_args(["--quick"])).writeback_cap_s == 5.0

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from async_ckpt.arguments import COUNT
+from async_ckpt.arguments import COUNT, SECONDS
 from async_ckpt.errors import UsageError
 from async_ckpt.workload import MLP_SIZES, SIZES
 from async_ckpt.bench.methods import METHODS, ON_REQUEST
@@ -336,6 +336,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=COUNT, default=1,
                         help="how many times the methods take turns (each with --saves saves), so that the run's "
                              "drift in step time falls on every method alike")
+    parser.add_argument("--writeback-cap-s", type=SECONDS, default=None,
+                        help=f"after each method's last save, train on at most this long until the kernel has written "
+                             f"its page-cache bytes back (default {DRAIN_CAP_S:g}, 5 with --quick)")
     parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
                         help="tiered: saves to a node-local tier drained to S3 (moto, or --url), and restart times")
     parser.add_argument("--url", default=None, help="s3://bucket/prefix (default: an embedded moto server)")
@@ -358,8 +361,8 @@ def _default_ranks(device: str) -> int:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     base = BenchConfig.quick() if args.quick else BenchConfig()
-    overrides = {k: v for k, v in {"size": args.size, "saves": args.saves, "steps_between": args.steps_between}.items()
-                 if v is not None}
+    overrides = {k: v for k, v in {"size": args.size, "saves": args.saves, "steps_between": args.steps_between,
+                                   "writeback_cap_s": args.writeback_cap_s}.items() if v is not None}
     return BenchConfig(**{**asdict(base), **overrides, "stage": args.stage, "dtype": args.dtype, "device": args.device,
                           "ranks": args.ranks if args.ranks is not None else _default_ranks(args.device),
                           "target": "s3" if args.url and args.target != "tiered" else args.target,
