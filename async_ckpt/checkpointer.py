@@ -573,6 +573,12 @@ class AsyncCheckpointer:
         return list(self._errors)
 
     @property
+    def staging_reserved(self) -> bool:
+        """Whether the staging memory ``wrap()`` reserves is ready: faulted in, and on a GPU pinned, on a
+        helper thread. Until then that work shares the machine with training, and a save waits for it."""
+        return self._pool.reserved
+
+    @property
     def staging_bytes(self) -> int:
         """Host memory held by the staging buffers of this rank."""
         return self._pool.allocated_bytes

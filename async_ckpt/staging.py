@@ -183,6 +183,11 @@ class StagingPool:
         return sum(t.numel() * t.element_size() for t in self._slots.values())
 
     @property
+    def reserved(self) -> bool:
+        """Whether the memory :meth:`reserve` maps is faulted in (and pinned) by now, or none was reserved."""
+        return self._reserving is None or self._reserving.done()
+
+    @property
     def buffers_outside_reserve(self) -> int:
         """Buffers in mappings of their own: those the reserve had no room for (or a reserve not pinned
         for their device), each mapped, and on a GPU pinned, in the stall of the save that needed it."""

@@ -22,6 +22,9 @@ class Method:
     root = ""  # where this method's checkpoints go
     #: whether ``durable_s`` ends with the bytes on the disk (fsynced), or only handed to the page cache
     durable = True
+    #: when the work the method's set-up left running in the background ended (``time.time()``): until
+    #: then steps are slowed by it, not by a save
+    setup_done_at: float | None = None
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         self.engine = engine
@@ -31,6 +34,7 @@ class Method:
         self.extra_stall_s: list[float] = []
         self.save_metrics: list[dict[str, Any]] = []  # per save, where a method reports more (its handle's)
         self.bytes_per_save = 0
+        self.setup_done_at = time.time()
 
     def save(self, tag: str) -> None:
         raise NotImplementedError
@@ -254,10 +258,18 @@ class AsyncCkpt(Method):
         self.handles: list[Any] = []
         self.rss_before_save: list[int] = []
         self.staging_bytes: list[int] = []
+        self.setup_done_at = None
+        self.poll()
+
+    def poll(self) -> None:
+        if self.setup_done_at is None and self.ckpt.staging_reserved:
+            self.setup_done_at = time.time()
 
     def save(self, tag: str) -> None:
         import psutil
 
+        if self.setup_done_at is None:  # the save waits for the reserve: the rest of it is in the stall
+            self.setup_done_at = time.time()
         self.rss_before_save.append(psutil.Process().memory_info().rss)  # the previous save is done by now
         self.handles.append(self.ckpt.save(tag=tag))
         self.staging_bytes.append(self.ckpt.staging_bytes)

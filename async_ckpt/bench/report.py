@@ -120,13 +120,21 @@ def summarize(report: dict) -> dict:
         methods[name]["writeback_window_s"] = writeback.union_s(spans) if spans is not None else None
         drained = [r["methods"][name].get("written_back") for r in ranks]
         methods[name]["written_back"] = None if None in drained else all(drained)
+    setup_spans = {name: [tuple(w) for w in ranks[0]["methods"][name].get("setup_windows", [])] for name in windows}
     outside_steps = [s for s in rank0_steps
-                     if not any(_overlaps(s, spans or []) for spans in (*windows.values(), *writeback_spans.values()))]
+                     if not any(_overlaps(s, spans or []) for spans in (*windows.values(), *writeback_spans.values(),
+                                                                        *setup_spans.values()))]
     outside = [s["end"] - s["start"] for s in outside_steps]
     for name, ws in windows.items():
         inside_steps = [s for s in rank0_steps if s["method"] == name and _overlaps(s, ws)]
         inside = [s["end"] - s["start"] for s in inside_steps]
         base = _median(outside)
+        # the steps the set-up's background work overlapped: their extra time, per turn (signed, as below)
+        slowed = [s["end"] - s["start"] - base for s in rank0_steps
+                  if s["method"] == name and _overlaps(s, setup_spans[name]) and not _overlaps(s, ws)] if base else []
+        methods[name]["setup_steps"] = len(slowed)
+        methods[name]["setup_steps_extra_per_turn_s"] = (sum(slowed) / len(setup_spans[name])
+                                                         if slowed and setup_spans[name] else None)
         methods[name]["steps_inside_windows"] = len(inside)
         methods[name]["slowdown_while_persisting"] = (_median(inside) / base - 1) if inside and base else None
         # where that slowdown goes: the CPU time and page faults each step adds while the write runs
@@ -293,15 +301,19 @@ def table(report: dict) -> str:
     if measured:
         lines += ["", "Memory and set-up, per method's turn (max over ranks): the peak of the resident set above "
                   "its size at the turn's start (the kernel's high-water mark, reset then: training's own peak "
-                  "within a step is in every method's), and the time to construct the method (`wrap()` for "
-                  "async_ckpt; staging it reserves is faulted in, or pinned, in the background after that):", "",
-                  "| method | peak RSS above start | vs stock | peak GPU memory above start | set-up |",
-                  "|---|---|---|---|---|"]
+                  "within a step is in every method's), the time to construct the method (`wrap()` for "
+                  "async_ckpt), and the extra time of the steps that ran while what the set-up left in the "
+                  "background did (async_ckpt's staging reserve being faulted in, or on a GPU pinned), per turn; "
+                  "those steps do not count as ordinary ones:", "",
+                  "| method | peak RSS above start | vs stock | peak GPU memory above start | set-up "
+                  "| steps during the set-up's background work: extra per turn |",
+                  "|---|---|---|---|---|---|"]
         for name, m in measured.items():
             lines.append(f"| {name} | {m['peak_rss_above_start_bytes'] / GB:.3f} GB "
                          f"| {_fmt(m.get('peak_rss_vs_stock'), '.2f', 'x')} "
                          f"| {_fmt(m['peak_gpu_above_start_bytes'] and m['peak_gpu_above_start_bytes'] / GB, '.3f', ' GB')} "
-                         f"| {m['setup_s']:.3f} s |")
+                         f"| {m['setup_s']:.3f} s "
+                         f"| {_fmt(m.get('setup_steps_extra_per_turn_s'), '+.3f', ' s')} ({m.get('setup_steps', 0)} steps) |")
     for name, m in s["methods"].items():
         if (m.get("finish_wait_s") or 0.0) > 0.05:
             lines.append(f"\n{name}: its last save was still writing when its turn ended: {m['finish_wait_s']:.2f} s "
