@@ -664,13 +664,16 @@ class AsyncCheckpointer:
         handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes,
                               in_place_bytes=job.in_place_bytes, **metrics)
         self._last_job = job
-        self._track(handle)
+        # handed to the writer before it is tracked: an exit signal raised between the two then leaves a save
+        # that still ends, not a tracked handle no writer will settle (the exit would wait for it in vain)
         if not self.synchronous:
             self._writer.submit(job)
+            self._track(handle)
             return handle
         waiting = time.perf_counter()
         try:
             self._writer.submit(job)
+            self._track(handle)
             self._bounded(handle.wait, tag, "the save to commit (synchronous)", self.config.effective_wait_timeout_s)
         except BaseException:
             if job.abandon_reads():
