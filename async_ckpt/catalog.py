@@ -58,8 +58,9 @@ def read_manifest(storage: Storage, tag: str) -> Manifest | None:
     """The tag's manifest, ``None`` if it has none; :class:`CorruptManifestError` naming the file if unreadable,
     :class:`UnsupportedManifestError` naming it if another version's.
 
-    Its ``tag`` is the folder's name: a tag folder copied or renamed (``cp -r global_step2 best``, to
-    keep one) is checked and loaded from where it is, not from the folder it was saved as."""
+    Its ``tag`` is the folder's name: a tag folder copied or renamed in the root (``cp -r global_step2
+    best``) is checked and loaded from where it is, not from the folder it was saved as. (It counts
+    toward ``keep_last`` as the save it copies: to keep one, copy it out of the root or set ``keep_every``.)"""
     try:
         raw = storage.read_bytes(manifest_path(tag))
     except FileNotFoundError:

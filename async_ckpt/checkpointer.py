@@ -157,6 +157,8 @@ class AsyncCheckpointer:
         self._drains_failed: set[tuple[str, str]] = set()  # (tag, save id) whose drain failure was recorded
         self._lower_rank_writes_model_states: dict[str, bool] = {}  # by storage URL; see _model_states_writer
         self._previous_engine = engine.checkpoint_engine
+        self._own_take_model_step = engine._take_model_step  # bound: the class's, or an override already there
+        self._previous_take_model_step = engine.__dict__.get("_take_model_step")
         try:
             self._start(on_cpu=torch.device(getattr(engine, "device", "cpu")).type == "cpu")
         except BaseException:
@@ -552,6 +554,8 @@ class AsyncCheckpointer:
                            ("_take_model_step", self._engine_take_model_step)):
             if self.engine.__dict__.get(name) == ours:
                 delattr(self.engine, name)
+        if self._previous_take_model_step is not None and "_take_model_step" not in self.engine.__dict__:
+            self.engine._take_model_step = self._previous_take_model_step  # an override there before wrap()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -635,13 +639,13 @@ class AsyncCheckpointer:
             yield
         except BaseException as exc:
             handle = SaveHandle(tag=tag, url=storage.url)
-            self._track(handle)  # waited for at exit: the writer's report is what lets rank 0 abort at once
             self._writer.submit(SaveJob(
                 tag=tag, save_id=agreed.save_id, storage=storage, rank=self.rank, world_size=self.world_size,
                 files=[], ticket=CopyTicket([]), handle=handle,
                 handshake=Handshake(self._store, agreed.save_id, self.rank, self.world_size), save_latest=False,
                 keep_last=None, keep_every=None, metadata={}, overwrites=agreed.overwrites,
                 abandoned=f"{type(exc).__name__}: {exc}"))
+            self._track(handle)  # waited for at exit: the writer's report is what lets rank 0 abort at once
             raise
 
     def _submit(self, storage: Storage, tag: str, agreed: _Agreement, files: list[StagedFile], ticket: CopyTicket,
@@ -1005,13 +1009,13 @@ class AsyncCheckpointer:
                                                                  offsets_of=record_offsets if placed else None))
         self._session.snapshot_s += time.perf_counter() - started
 
-    def _engine_take_model_step(self, lr_kwargs: Any = None) -> Any:
+    def _engine_take_model_step(self, *args: Any, **kwargs: Any) -> Any:
         """Stand-in for the engine's optimizer step after wrap: wait for the overlapped copy first.
         ``engine.step()`` asks the checkpoint engine's ``get_commit_info()`` before it, which waits too;
         ``PipelineEngine.train_batch()`` steps without asking, and would change the optimizer state
         while the copy still reads it: the saved file a mix of two steps, its checksum matching."""
         self._before_optimizer_step()
-        return type(self.engine)._take_model_step(self.engine, lr_kwargs)
+        return self._own_take_model_step(*args, **kwargs)
 
     def _before_optimizer_step(self) -> None:
         if self._staging is not None and not self._staging.done:

@@ -151,6 +151,17 @@ class _Memo:
     #: container, so ``compact`` snapshots do not share containers.
     containers: dict[int, Any] = field(default_factory=dict)
     values: dict[int, Any] = field(default_factory=dict)
+    #: The buffer names (paths) given so far: two dict keys with one ``repr`` (tensors as keys) would
+    #: otherwise share a buffer, one copy overwriting the other.
+    slots: set[str] = field(default_factory=set)
+
+    def slot(self, path: str) -> str:
+        """``path``, made unique within this snapshot."""
+        name, n = path, 1
+        while name in self.slots:
+            name, n = f"{path}#{n}", n + 1
+        self.slots.add(name)
+        return name
 
 
 class StagingPool:
@@ -468,7 +479,7 @@ class StagingPool:
         key = storage._cdata  # the storage's identity, as torch.save keys it
         staged = memo.storages.get(key)
         if staged is None:
-            staged = self._buffer_for((slot_key, path), storage.nbytes(), src.device)
+            staged = self._buffer_for((slot_key, memo.slot(path)), storage.nbytes(), src.device)
             whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage)
             pairs.append((staged, whole))
             memo.storages[key] = staged
@@ -482,11 +493,12 @@ class StagingPool:
             view = torch._neg_view(view)
         return view
 
-    def _compact_copy(self, src: torch.Tensor, slot_key: str, path: str, pairs: list[CopyPair]) -> torch.Tensor:
+    def _compact_copy(self, src: torch.Tensor, slot_key: str, path: str, memo: _Memo,
+                      pairs: list[CopyPair]) -> torch.Tensor:
         """A host tensor laid out as ``src.detach().clone()`` would be, in a pooled buffer of its own."""
         layout = torch.empty_like(src, device="meta")  # the strides clone() picks (preserve_format)
         nbytes = src.numel() * src.element_size()
-        staged = self._buffer_for((slot_key, path), nbytes, src.device)
+        staged = self._buffer_for((slot_key, memo.slot(path)), nbytes, src.device)
         dst = torch.empty(0, dtype=src.dtype).set_(staged.untyped_storage(), 0, layout.size(), layout.stride())
         pairs.append((dst, src.detach()))
         return dst
@@ -508,7 +520,7 @@ class StagingPool:
         if isinstance(obj, torch.Tensor) and memo.compact:
             if obj.layout != torch.strided:
                 raise UsageError(f"cannot snapshot {path or 'tensor'}: layout {obj.layout} is not supported")
-            return self._compact_copy(obj, slot_key, path, pairs)
+            return self._compact_copy(obj, slot_key, path, memo, pairs)
         if isinstance(obj, torch.Tensor):
             if id(obj) in memo.tensors:  # the same tensor twice in one dict stays one tensor
                 return memo.tensors[id(obj)]

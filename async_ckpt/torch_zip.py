@@ -100,7 +100,7 @@ class CrcFiller:
         self._extra_left = 0
         self._described = False
         self._data_size = 0
-        self._ambiguous = b""  # what _data could not yet tell from an empty record's descriptor
+        self._ambiguous: tuple[memoryview, bytes] | None = None  # what _data could not yet tell from a descriptor
         self._tail = bytearray()
         self.error: BaseException | None = None
 
@@ -166,20 +166,24 @@ class CrcFiller:
     def _data(self, view: memoryview) -> None:
         if self._is_descriptor(view, 0):
             # a record described but without data, or 16 or 24 bytes of data that read like its descriptor
-            # (an int64 tensor [0x08074B50, 0]): the next write tells, a descriptor of that many bytes or not
-            self._ambiguous = bytes(view)
+            # (an int64 tensor [0x08074B50, 0]): the next write tells, a descriptor of that many bytes or not.
+            # Data: passed on as the view (the storage's memory, which the sink may know by its address), still
+            # valid then, as torch writes a record's descriptor within the same call; a descriptor: its copy
+            # (miniz's, gone by the next record)
+            self._ambiguous = (view, bytes(view))
             self._expect = self._after_ambiguous
             return
         self._data_record(view)
 
     def _after_ambiguous(self, view: memoryview) -> None:
-        held = memoryview(self._ambiguous)
+        held, copy = self._ambiguous
+        self._ambiguous = None
         if self._is_descriptor(view, held.nbytes):
             self._data_record(held)
             self._descriptor_after_data(view)
         else:
             self._crcs.append(0)
-            self._descriptor(held)
+            self._descriptor(memoryview(copy))
             self._header(view)
 
     def _data_record(self, view: memoryview) -> None:

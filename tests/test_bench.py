@@ -201,7 +201,7 @@ def test_bench_gives_no_ratio_to_the_durable_floor_for_a_method_that_does_not_fs
     methods = report["summary"]["methods"]
     assert methods["stock"]["fsynced"] is False and methods["stock"]["persist_vs_floor"] is None
     assert methods["async_ckpt"]["fsynced"] is True and methods["async_ckpt"]["persist_vs_floor"] > 0
-    assert "(page cache: no fsync)" in report_table(report).split("| stock |")[1].split("\n")[0]
+    assert "(not fsynced)" in report_table(report).split("| stock |")[1].split("\n")[0]
 
 
 def test_bench_measures_each_methods_peak_memory_in_its_turn_and_its_set_up_time(bench):

@@ -153,3 +153,18 @@ def test_the_writeback_extra_is_also_measured_against_the_methods_own_ordinary_s
     stock = summarize(_report(before + after + ours, {"stock": [save], "async_ckpt": [ours_save]}))["methods"]["stock"]
     assert stock["writeback_extra_signed_vs_own_steps_per_save_s"] == pytest.approx(2 * 0.5)
     assert stock["writeback_extra_signed_per_save_s"] == pytest.approx(2 * 1.5)  # against the run's 1 s median
+
+
+def test_steps_during_a_set_up_left_in_the_background_are_charged_to_it_not_the_baseline():
+    """async_ckpt's wrap() at 0 s leaves its staging reserve faulting in until 2.5 s: its first three steps
+    take 2 s each; every other step takes 1 s. Its save at 8 s is durable by 8.5 s."""
+    steps, t = _steps("async_ckpt", 0.0, [2.0, 2.0, 2.0, 1.0, 1.0], [0] * 5)
+    save = {"start": t + 1.0, "call_s": 0.1, "durable_s": 0.5, "extra_stall_s": 0.0, "dirty_before": 0,
+            "dirty_after": 0}
+    after, _ = _steps("async_ckpt", t, [1.0, 1.0, 1.0], [0] * 3)
+    report = _report(steps + after, {"async_ckpt": [save]})
+    report["ranks"][0]["methods"]["async_ckpt"]["setup_windows"] = [[0.0, 2.5]]
+    summary = summarize(report)
+    ours = summary["methods"]["async_ckpt"]
+    assert summary["median_step_s_outside_saves"] == pytest.approx(1.0)
+    assert ours["setup_steps"] == 2 and ours["setup_steps_extra_per_turn_s"] == pytest.approx(2.0)

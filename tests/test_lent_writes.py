@@ -150,6 +150,21 @@ def test_a_first_deferred_snapshot_placed_by_the_layout_writes_ahead_without_a_c
     pool.close()
 
 
+def test_a_deferred_snapshot_with_data_that_read_like_a_zip_descriptor_is_written_as_torch_save_writes_it(
+        direct_root):
+    """16 bytes of data that read exactly like an empty record's descriptor, then other storages: each record
+    still reaches the writer as its own buffer, in the order of the copies it waits for."""
+    pool = StagingPool()
+    state = {"seed": torch.tensor([0x08074B50, 0], dtype=torch.int64), **_state()}
+    staged = pool.snapshot(state, "t/x.pt", slot_key="x.pt", defer=True, offsets_of=record_offsets)
+    ticket = pool.copy(staged.deferred, background=True)
+    write_torch_file(LocalStorage(str(direct_root / "root")), "t/x.pt", staged.obj, tag_dir="t", rank=0,
+                     lending=Lending(staged.regions, staged.placements), await_copy=ticket.wait_for,
+                     copy_crcs=ticket.crcs)
+    assert (direct_root / "root" / "t" / "x.pt").read_bytes() == _torch_save_bytes(state)
+    pool.close()
+
+
 def test_the_layout_is_asked_only_while_a_large_buffer_is_unplaced(direct_root):
     asked, pool = [], StagingPool()
 

@@ -91,6 +91,14 @@ def test_tensors_that_appear_in_a_later_snapshot_leave_the_others_in_their_buffe
     assert torch.equal(second["state"][0]["exp_avg"], after_step["state"][0]["exp_avg"])
 
 
+def test_dict_keys_of_one_repr_get_buffers_of_their_own():
+    """Tensors as keys (an optimizer's state keyed by parameter): equal reprs, different tensors."""
+    first, second = torch.zeros(3), torch.zeros(3)
+    state = {first: torch.ones(4), second: torch.full((4,), 2.0)}
+    staged = StagingPool().snapshot(state, "o.pt", slot_key="o", defer=False).obj
+    assert [v.tolist() for v in staged.values()] == [[1.0] * 4, [2.0] * 4]
+
+
 def test_stream_mode_writes_the_same_tensors_under_archive_records(tmp_path):
     state = _deepspeed_like_state()
     data = _write(tmp_path, "stream", state, exact_bytes=False)

@@ -85,7 +85,7 @@ def summarize(report: dict) -> dict:
         # with --rounds, each round wraps the engine anew: every round's first save is a first save
         steady = _median([stall for i, (save, stall) in enumerate(zip(first["saves"], per_save_stall))
                           if save.get("index", i) > 0])
-        # a method that does not fsync reaches the page cache, not the disk: no ratio to a durable floor
+        # a method that does not fsync (stock: the page cache only) is not durable: no ratio to a durable floor
         fsynced = first.get("durable", True)
         peaks = [r["methods"][name].get("peak_above_start") or {} for r in ranks]
         entry = {
@@ -259,7 +259,7 @@ def table(report: dict) -> str:
         lines.append(
             f"| {name} | {_fmt(m['stall_s'], '.3f', ' s')} | {_fmt(m['stall_vs_copy_floor'], '.2f', 'x')} "
             f"| {_fmt(m.get('stall_reduction_vs_stock'), '.1f', 'x')} | {_fmt(m['durable_s'], '.2f', ' s')}"
-            f"{'' if m.get('fsynced', True) else ' (page cache: no fsync)'} "
+            f"{'' if m.get('fsynced', True) else ' (not fsynced)'} "
             f"| {_fmt(m['persist_gbps'], '.3f')} | {_fmt(m['persist_vs_floor'], '.0%')} "
             f"| {_fmt(m.get('persist_vs_floor_while_training'), '.0%')} "
             f"| {_fmt(m.get('slowdown_while_persisting'), '+.0%')}"
