@@ -8,6 +8,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -123,31 +124,22 @@ def _write_s(path: str, nbytes: int, block: mmap.mmap, direct: bool, streams: in
     total = -(-nbytes // 4096) * 4096
     offsets = iter(range(0, total, CHUNK))
     take = threading.Lock()
-    failed: list[BaseException] = []
 
     def write() -> None:
-        try:
-            with memoryview(block) as view:
-                while True:
-                    with take:
-                        offset = next(offsets, None)
-                    if offset is None:
-                        return
-                    done = 0
-                    size = min(CHUNK, total - offset)
-                    while done < size:
-                        done += os.pwrite(fd, view[done:size], offset + done)
-        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
-            failed.append(exc)
+        with memoryview(block) as view:
+            while True:
+                with take:
+                    offset = next(offsets, None)
+                if offset is None:
+                    return
+                done, size = 0, min(CHUNK, total - offset)
+                while done < size:
+                    done += os.pwrite(fd, view[done:size], offset + done)
 
     try:
-        writers = [threading.Thread(target=write, name=f"floor-write-{i}") for i in range(streams)]
-        for writer in writers:
-            writer.start()
-        for writer in writers:
-            writer.join()
-        if failed:
-            raise failed[0]
+        with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="floor-write") as pool:
+            for writer in [pool.submit(write) for _ in range(streams)]:
+                writer.result()  # the first failure, raised here
         os.fsync(fd)
     finally:
         os.close(fd)
