@@ -32,7 +32,9 @@ def _storage(args: argparse.Namespace, *, options_elsewhere: bool = False) -> An
     from async_ckpt.errors import CheckpointNotFoundError, UsageError
     from async_ckpt.storage import open_storage
 
-    if not args.url.strip() or local_path(args.url) == "":
+    if not args.url.strip():
+        raise UsageError("the checkpoint URL is empty; pass the root folder or URL the checkpoints were saved to")
+    if local_path(args.url) == "":
         raise UsageError(f"the checkpoint URL {args.url!r} names no folder; pass the root folder or URL the "
                          "checkpoints were saved to")
     options = _source_options(args)
