@@ -201,8 +201,6 @@ def _json_object(text: str, flag: str) -> dict[str, Any]:
     return value
 
 
-
-
 def _require_extra(extra: str, modules: tuple[str, ...]) -> None:
     """Refuse a command whose optional packages are missing, naming the install that adds them."""
     from async_ckpt.errors import UsageError

@@ -12,7 +12,8 @@ Two DeepSpeed behaviours are used deliberately:
   and *before* the optimizer step, it asks ``get_commit_info()``: that is the point where a
   snapshot still copying in the background must be finished. We wait there and return ``None``,
   so DeepSpeed adds no barrier and writes no ``latest``: async_ckpt commits by itself, once every
-  rank's data is durable.
+  rank's data is durable. ``PipelineEngine.train_batch()`` steps the optimizer without asking, so
+  ``wrap()`` also stands in for the engine's ``_take_model_step``, which waits the same way first.
 * ``preserves_storage_sharing()`` is true, as for DeepSpeed's own Torch engine: the snapshot keeps
   views that share a storage sharing one staged storage (that is what makes the files byte-identical).
   DeepSpeed consults the flag for MoE saves and for pipeline-parallel (``PipelineModule``) layer

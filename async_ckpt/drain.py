@@ -128,9 +128,14 @@ class Drainer:
                                   "wrap() with this local_tier drains it, unless the URL holds a newer tag by then",
                                   tag=job.tag)
         logger.error("rank %d: %s", self._rank, failure)
+        self._settle_failed(job, failure)
+
+    def _settle_failed(self, job: DrainJob, failure: SaveFailedError) -> None:
+        """Record ``failure`` (a recording that raises is logged: the handle settles all the same), then fail
+        the handle: whoever it wakes finds the failure recorded."""
         try:
             self._on_failure(failure, job)
-        except BaseException:  # noqa: BLE001 - the handle still settles
+        except BaseException:  # noqa: BLE001 - the handle still settles, and the drainer goes on
             logger.exception("could not record the failed drain of %s", job.tag)
         job.handle._fail(failure)
 
@@ -233,11 +238,7 @@ class Drainer:
                                   f"({type(exc).__name__}: {exc}); `async-ckpt ls` shows whether it committed there",
                                   tag=job.tag)
         failure.__cause__ = exc
-        try:
-            self._on_failure(failure, job)
-        except BaseException:  # noqa: BLE001 - the handle still settles and the thread goes on
-            logger.exception("could not record the failed drain of %s", job.tag)
-        job.handle._fail(failure)
+        self._settle_failed(job, failure)
 
     def _drain(self, job: DrainJob) -> None:
         target, metrics = self._target, job.handle.metrics

@@ -208,9 +208,10 @@ class CrcFiller:
         self._descriptor(view)
 
     def _descriptor(self, view: memoryview) -> None:
+        crc = resolve_crc(self._crcs[-1])
         patched = bytearray(view)
-        struct.pack_into("<I", patched, 4, resolve_crc(self._crcs[-1]))
-        self._folded.append(self._crcs[-1])
+        struct.pack_into("<I", patched, 4, crc)
+        self._folded.append(crc)
         self._expect = self._header
         self._sink.write(memoryview(patched), crc=None)
 

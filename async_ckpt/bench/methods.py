@@ -22,9 +22,6 @@ class Method:
     root = ""  # where this method's checkpoints go
     #: whether ``durable_s`` ends with the bytes on the disk (fsynced), or only handed to the page cache
     durable = True
-    #: when the work the method's set-up left running in the background ended (``time.time()``): until
-    #: then steps are slowed by it, not by a save
-    setup_done_at: float | None = None
 
     def __init__(self, engine: Any, target: dict, rank: int) -> None:
         self.engine = engine
@@ -34,7 +31,9 @@ class Method:
         self.extra_stall_s: list[float] = []
         self.save_metrics: list[dict[str, Any]] = []  # per save, where a method reports more (its handle's)
         self.bytes_per_save = 0
-        self.setup_done_at = time.time()
+        # when the work the set-up left running in the background ended (``time.time()``; ``None``: not yet):
+        # until then steps are slowed by it, not by a save
+        self.setup_done_at: float | None = time.time()
 
     def save(self, tag: str) -> None:
         raise NotImplementedError

@@ -445,7 +445,7 @@ class S3Storage(FsspecStorage):
                 try:
                     resp = await self.retry.run(f"list parts of {key}", lambda: s3.list_parts(**kwargs))
                 except botocore.exceptions.ClientError as exc:
-                    code = exc.response.get("Error", {}).get("Code")
+                    code = _error_code(exc)
                     if code == "NoSuchUpload":  # completed or aborted since it was listed
                         return time.time()
                     if code != "AccessDenied":
@@ -472,7 +472,7 @@ class S3Storage(FsspecStorage):
             await self.retry.run(f"abort {key}", lambda: s3.abort_multipart_upload(
                 Bucket=self.bucket, Key=key, UploadId=upload_id))
         except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") != "NoSuchUpload":
+            if _error_code(exc) != "NoSuchUpload":
                 raise
 
     @property
