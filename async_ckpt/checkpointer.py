@@ -268,6 +268,7 @@ class AsyncCheckpointer:
             if self.rank == 0:
                 files.append(self._pool.snapshot(state, f"{tag}/model-*.safetensors", slot_key="consolidated",
                                                  defer=False))
+                self._pool.release_stale()
             snapshot_s = time.perf_counter() - gathered
             extras_dir = self._save_extras(agreed.save_id)
             dtype = floating_dtype(state) if state else None
@@ -624,6 +625,7 @@ class AsyncCheckpointer:
             deferred = [pair for f in files for pair in f.deferred]
             self._staging = self._pool.copy(deferred, background=True, checksum=not self.config.exact_bytes)
             self._pool.trim_reserve()
+            self._pool.release_stale()
             extras_dir = self._save_extras(agreed.save_id)
         return self._submit(target, tag, agreed, files, self._staging, started, save_latest=save_latest,
                             extras_dir=extras_dir, metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,

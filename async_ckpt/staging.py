@@ -5,8 +5,9 @@ and Adam moments that the next optimizer step overwrites in place. The snapshot 
 tensor in the (nested) dict with a view of the same shape, strides and offset into a host copy
 of its storage, owned by this pool; tensors that share a storage keep sharing one, so
 ``torch.save`` writes the same records DeepSpeed's own engine would. Buffers are keyed by
-file and position, so the second and every later save reuses the memory of the first (a fresh
-allocation costs page faults: about 4x slower than a copy into memory already touched).
+file and by the tensor's path in the state dict, so the second and every later save reuses the memory
+of the first (a fresh allocation costs page faults: about 4x slower than a copy into memory already
+touched); a buffer a file's latest snapshot did not use is freed (:meth:`StagingPool.release_stale`).
 
 The buffers are carved from anonymous mappings (:mod:`async_ckpt.host_memory`), reserved and faulted
 in ahead of the first save. On CUDA those mappings are pinned where they lie and the device-to-host
@@ -173,9 +174,11 @@ class StagingPool:
 
     def __init__(self, *, copier_init: Callable[[], None] | None = None) -> None:
         self._copier_init = copier_init
-        self._slots: dict[tuple[str, int], torch.Tensor] = {}
-        self._bases: dict[tuple[str, int], tuple[mmap.mmap, int, int]] = {}  # mapping, start, length
+        self._slots: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor path) -> buffer
+        self._bases: dict[tuple[str, str], tuple[mmap.mmap, int, int]] = {}  # mapping, start, length
         self._placements: dict[int, int] = {}
+        self._used_in: dict[tuple[str, str], int] = {}  # slot -> the save (generation) that last used it
+        self._generation = 0
         self._reserve: mmap.mmap | None = None
         self._reserve_used = 0
         self._reserving: Future[None] | None = None
@@ -235,6 +238,28 @@ class StagingPool:
         if self._reserve_pin is not None and len(self._reserve) - start <= len(self._reserve) * PINNED_TAIL_KEPT:
             return
         self._trimming = self._helper_thread().submit(self._trim, self._reserve, start)
+
+    def release_stale(self) -> None:
+        """After a save's snapshots: free the buffers of the files it snapshotted that it did not use, and
+        start the next save's count.
+
+        Buffers are named by their tensor's path in the state dict, so a tensor that goes (or a key that
+        changes every save, such as a step number in ``client_state``) would otherwise keep its buffer, on
+        a GPU pinned, for the pool's life: memory growing without bound. Only the files this save wrote are
+        pruned; a file saved now and then (a consolidated export) keeps its buffers between its saves.
+        No writer reads a stale buffer: it was last used by an earlier save, whose write the caller waited
+        for before these snapshots. Where a buffer lies in the reserve, its room there is not reused."""
+        current = self._generation
+        files = {slot[0] for slot, used in self._used_in.items() if used == current}
+        for slot in [s for s, used in self._used_in.items() if s[0] in files and used != current]:
+            del self._used_in[slot]
+            buf, (mapping, _, _) = self._slots.pop(slot, None), self._bases.pop(slot)
+            if buf is not None:
+                self._placements.pop(buf.data_ptr(), None)
+            if mapping is not self._reserve and mapping in self._pinned:
+                # unmapped once nothing holds it: this task holds it until the copies into it ended and it is unpinned
+                self._helper_thread().submit(self._unpin_after_copies, mapping)
+        self._generation += 1
 
     def snapshot(self, obj: Any, relpath: str, *, slot_key: str, defer: bool, compact: bool = False,
                  offsets_of: RecordOffsets | None = None) -> StagedFile:
@@ -321,6 +346,7 @@ class StagingPool:
         self._slots.clear()
         self._bases.clear()
         self._placements.clear()
+        self._used_in.clear()
         self._reserving = self._trimming = None
         self._reserve = None
 
@@ -453,6 +479,7 @@ class StagingPool:
                 if nbytes else torch.empty(0, dtype=torch.uint8)
             if written_at is not None:  # the next write of this slot is expected at the same offset
                 self._placements[buf.data_ptr()] = written_at
+        self._used_in[slot] = self._generation
         return buf
 
     def _carve(self, length: int, from_reserve: bool) -> tuple[mmap.mmap, int, int]:

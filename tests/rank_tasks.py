@@ -181,6 +181,26 @@ def snapshot_ignores_later_mutation(root: str, overlap: bool) -> dict:
     return {"tag": handle.tag}
 
 
+def client_state_keyed_by_step(root: str, saves: int) -> dict:
+    """Save with a tensor in ``client_state`` under a key naming the step, which changes every save: the
+    staging memory stays that of one save, and each tag holds its own tensor."""
+    engine = workload.make_engine(2, "fp32")
+    tokens = _tokens()
+    staged: list[int] = []
+    tags: list[str] = []
+    with async_ckpt.wrap(engine, root) as ckpt:
+        for i in range(saves):
+            workload.train(engine, 1, tokens, _rank())
+            tags.append(ckpt.save(client_state={"probes": {f"step{i}": torch.full((1 << 18,), float(i))}}).tag)
+            ckpt.wait()
+            staged.append(ckpt.staging_bytes)
+    loaded = {}
+    for i in (0, saves - 1):
+        _, client = engine.load_checkpoint(root, tag=tags[i])
+        loaded[i] = {key: value.unique().tolist() for key, value in client["probes"].items()}
+    return {"staged": staged, "loaded": loaded}
+
+
 def _host_copy(obj):
     """Every tensor in ``obj`` cloned to a detached host tensor (deepcopy refuses ZeRO's non-leaf views)."""
     if torch.is_tensor(obj):

@@ -69,6 +69,13 @@ def test_state_changed_after_save_does_not_leak_into_the_checkpoint(ranks, tmp_p
         _assert_same_tensors(torch.load(ref, weights_only=False), torch.load(got, weights_only=False), ref.name)
 
 
+def test_staging_memory_stays_one_saves_when_client_state_keys_change_every_save(ranks, tmp_path):
+    """Buffers are named by their tensor's path: one whose key changes every save is freed once unused."""
+    for rank_out in ranks.run(rank_tasks.client_state_keyed_by_step, str(tmp_path), 4):
+        assert rank_out["staged"][-1] == rank_out["staged"][0] > 0
+        assert rank_out["loaded"] == {0: {"step0": [0.0]}, 3: {"step3": [3.0]}}
+
+
 def test_on_save_done_callback_gets_every_finished_save_and_cannot_break_saving(ranks, tmp_path):
     out = ranks.run(rank_tasks.save_done_callback, str(tmp_path))
     for rank_out in out:

@@ -91,6 +91,35 @@ def test_tensors_that_appear_in_a_later_snapshot_leave_the_others_in_their_buffe
     assert torch.equal(second["state"][0]["exp_avg"], after_step["state"][0]["exp_avg"])
 
 
+def test_buffers_a_files_latest_snapshot_did_not_use_are_freed():
+    pool = StagingPool()
+    for step in range(4):  # a key that changes every save
+        pool.snapshot({f"step{step}": torch.randn(1000)}, "m.pt", slot_key="m", defer=False)
+        pool.release_stale()
+    assert pool.allocated_bytes == 1000 * 4
+
+
+def test_a_file_left_out_of_a_save_keeps_its_buffers():
+    """A consolidated export made now and then: its buffers wait for its next save."""
+    pool = StagingPool()
+    pool.snapshot({"w": torch.randn(1000)}, "m.pt", slot_key="m", defer=False)
+    pool.snapshot({"w": torch.randn(500)}, "export", slot_key="export", defer=False)
+    pool.release_stale()
+    pool.snapshot({"w": torch.randn(1000)}, "m.pt", slot_key="m", defer=False)
+    pool.release_stale()
+    assert pool.allocated_bytes == 1500 * 4
+
+
+def test_two_files_of_one_save_under_one_name_keep_both_their_buffers():
+    """Files in two folders of one save share a file name (the slot key): neither frees the other's."""
+    pool = StagingPool()
+    first = pool.snapshot({"a": torch.ones(1000)}, "x/m.pt", slot_key="m.pt", defer=False).obj
+    second = pool.snapshot({"b": torch.full((1000,), 2.0)}, "y/m.pt", slot_key="m.pt", defer=False).obj
+    pool.release_stale()
+    assert pool.allocated_bytes == 2000 * 4
+    assert first["a"].eq(1).all() and second["b"].eq(2).all()
+
+
 def test_dict_keys_of_one_repr_get_buffers_of_their_own():
     """Tensors as keys (an optimizer's state keyed by parameter): equal reprs, different tensors."""
     first, second = torch.zeros(3), torch.zeros(3)
