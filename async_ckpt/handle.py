@@ -45,8 +45,9 @@ class SaveHandle:
     where it is with no staging copy), ``commit_wait_s`` (a synchronous save: the wait in ``save()`` for
     the commit, after ``stall_s``), ``step_wait_s`` (with ``overlap_copy``: the wait of the next
     optimizer step for the copy), then ``persist_s``, ``copy_wait_s`` (of it, the writer waiting
-    for overlapped copies), ``bytes_written``, ``zero_copy_bytes`` (bytes written straight from
-    the staging memory), ``upload_buffer_peak_bytes`` (object stores: the most part memory the
+    for overlapped copies), ``mark_s`` (of it, writing the save's start mark), ``seconds_by_file``
+    (of it, the seconds each file took, by its path: its copy waits, its write and the fsyncs that make it
+    durable), ``bytes_written``, ``zero_copy_bytes`` (bytes written straight from the staging memory), ``upload_buffer_peak_bytes`` (object stores: the most part memory the
     uploader has held so far, bounded by ``(max_concurrency + 1) * part_size``), ``queued_s`` (from
     the end of ``save()`` until the writer thread began it), on rank 0 the commit's steps
     ``ranks_wait_s`` (waiting for the other ranks' files), ``extras_s`` (tokenizer, config and

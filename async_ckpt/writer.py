@@ -156,11 +156,14 @@ class BackgroundWriter:
             if job.files:  # a rank with nothing to write (of a consolidated save) starts nothing
                 current = "its start mark"
                 commit.mark_started(job.storage, job.tag, job.rank, job.save_id)
+                metrics["mark_s"] = time.perf_counter() - started
             streamed = job.max_shard_bytes is None and scratch_dir is None
+            seconds_by_file = metrics["seconds_by_file"] = {}
             for staged in job.files:
                 if job.reads_abandoned:  # training went on: stop reading its state, the save fails below
                     break
                 current = staged.relpath
+                began = time.perf_counter()
                 if staged.deferred and not streamed:  # copied in the background; no hook inside this write
                     copy_wait.all()
                 if job.max_shard_bytes is None:
@@ -174,6 +177,7 @@ class BackgroundWriter:
                 else:
                     written.extend(write_weights(job.storage, job.tag, staged.obj, max_shard_bytes=job.max_shard_bytes,
                                                  rank=job.rank))
+                seconds_by_file[staged.relpath] = time.perf_counter() - began
             current = "the staging copies"
             copy_wait.all()
             if not job.release_buffers():

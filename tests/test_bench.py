@@ -168,6 +168,18 @@ def test_bench_reports_floors_and_flat_staging(bench):
         assert summary["floor"]["s3_upload_gbps"] > 0
 
 
+def test_bench_tells_async_ckpts_time_to_durable_apart_beside_the_floors_time_for_the_same_bytes(bench):
+    out, report = bench
+    methods = report["summary"]["methods"]
+    profile = methods["async_ckpt"]["durable_profile"]
+    assert profile["longest_file_s"] > 0 and profile["mark_s"] > 0 and profile["stall_s"] > 0
+    assert methods["stock"]["durable_profile"] is None  # no async_ckpt metrics to tell apart
+    assert profile["floor_s"] > 0  # the S3 upload's floor on S3, the disk's on local disk
+    assert (profile["floor_while_training_s"] is None) == (report["target"]["kind"] == "s3")
+    rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| async_ckpt |")]
+    assert len(rows) >= 2  # the main table's row and the profile's
+
+
 def test_bench_on_local_disk_also_measures_the_write_floor_while_training(bench):
     _, report = bench
     floor, ours = report["summary"]["floor"], report["summary"]["methods"]["async_ckpt"]

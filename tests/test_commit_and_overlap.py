@@ -100,6 +100,15 @@ def test_durable_time_is_told_apart_into_the_stall_the_queue_the_write_and_rank_
         assert 0 <= metrics["queued_s"] and sum(metrics.get(k, 0.0) for k in parts) <= metrics["durable_s"]
 
 
+def test_the_write_is_told_apart_into_the_start_mark_and_each_file(ranks, tmp_path):
+    for out in ranks.run(rank_tasks.save_done_callback, str(tmp_path)):
+        metrics = out["seen"][0]["metrics"]
+        files = metrics["seconds_by_file"]
+        assert files and all(path.startswith("one/") and path.endswith(".pt") for path in files)
+        assert any(path.endswith("_optim_states.pt") for path in files) and min(files.values()) > 0
+        assert 0 < metrics["mark_s"] and metrics["mark_s"] + sum(files.values()) <= metrics["persist_s"]
+
+
 @pytest.fixture(scope="module")
 def second_save_during_first(ranks, tmp_path_factory):
     root = tmp_path_factory.mktemp("back-to-back")

@@ -279,7 +279,7 @@ class AsyncCkpt(Method):
             handle.result()
             self.durable_s.append(handle.metrics["durable_s"])
             self.extra_stall_s.append(handle.metrics.get("step_wait_s", 0.0))
-            self.save_metrics.append({k: v for k, v in handle.metrics.items() if isinstance(v, (int, float))})
+            self.save_metrics.append({k: v for k, v in handle.metrics.items() if isinstance(v, (int, float, dict))})
         self.bytes_per_save = self.handles[-1].metrics["bytes_written"]
 
     def close(self) -> None:

@@ -50,6 +50,33 @@ def _floor_gbps(ranks: list[dict], seconds_key: str) -> float | None:
     return sum(r["floor"]["bytes"] for r in ranks) / max(r["floor"][seconds_key] for r in ranks) / GB
 
 
+def durable_profile(ranks: list[dict], name: str, target: str) -> dict[str, float | None] | None:
+    """Where a method's time to durable goes, from async_ckpt's own save metrics: per save, the rank that
+    took longest, split into its stall, its wait in the writer's queue, its start mark, its files but the
+    longest, the longest file (the optimizer state's: its copy waits, its write, its fsyncs) and what came
+    after the files (the rest of the copy, the commit handshake, the manifest and ``latest``); median over
+    saves. Beside it, the target's floor for that rank's bytes (the disk's, idle and while training, or the
+    S3 upload's): the longest file against it says what the writer adds to the target, the rest is what
+    the save adds around it."""
+    floor, busy_floor = ("s3_upload_s", None) if target == "s3" else ("local_write_s", "local_write_while_training_s")
+    rows = []
+    for i in range(len(ranks[0]["methods"][name]["saves"])):
+        rank, save = max(((r, r["methods"][name]["saves"][i]) for r in ranks),
+                         key=lambda pair: pair[1].get("durable_s") or 0.0)
+        metrics = save.get("metrics") or {}
+        files = metrics.get("seconds_by_file")
+        if not files or "mark_s" not in metrics or save.get("durable_s") is None:
+            return None  # a method without async_ckpt's metrics
+        longest = max(files.values())
+        row = {"stall_s": metrics.get("stall_s", 0.0), "queued_s": metrics.get("queued_s", 0.0),
+               "mark_s": metrics["mark_s"], "other_files_s": sum(files.values()) - longest, "longest_file_s": longest,
+               "floor_s": rank["floor"].get(floor),
+               "floor_while_training_s": rank["floor"].get(busy_floor) if busy_floor else None}
+        row["after_files_s"] = save["durable_s"] - sum(v for k, v in row.items() if not k.startswith("floor"))
+        rows.append(row)
+    return {key: _median([row[key] for row in rows if row[key] is not None]) for key in rows[0]} if rows else None
+
+
 def summarize(report: dict) -> dict:
     ranks = report["ranks"]
     floor_bytes = sum(r["floor"]["bytes"] for r in ranks)
@@ -108,6 +135,7 @@ def summarize(report: dict) -> dict:
             entry["staging_bytes"] = sum(r["methods"][name]["staging_bytes"][-1] for r in ranks)
             entry["staging_flat"] = all(len(set(r["methods"][name]["staging_bytes"])) == 1 for r in ranks)
         entry["next_step_over_before_s"] = next_step_over_before(rank0_steps, name, first["saves"])
+        entry["durable_profile"] = durable_profile(ranks, name, report["target"]["kind"])
         if name == "stock":
             stock_stall = stall
         methods[name] = entry
@@ -314,6 +342,17 @@ def table(report: dict) -> str:
                          f"| {_fmt(m['peak_gpu_above_start_bytes'] and m['peak_gpu_above_start_bytes'] / GB, '.3f', ' GB')} "
                          f"| {m['setup_s']:.3f} s "
                          f"| {_fmt(m.get('setup_steps_extra_per_turn_s'), '+.3f', ' s')} ({m.get('setup_steps', 0)} steps) |")
+    profiled = {name: m["durable_profile"] for name, m in s["methods"].items() if m.get("durable_profile")}
+    if profiled:
+        lines += ["", "Where the time to durable goes (per save the slowest rank's, median over saves; the longest "
+                  "file is the optimizer state's, with its copy waits and fsyncs; after the files: the commit, the "
+                  "manifest and `latest`), beside the target's floor for that rank's bytes:", "",
+                  "| method | stall | queued | start mark | other files | longest file | after the files "
+                  "| floor: idle | floor: while training |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, p in profiled.items():
+            lines.append(f"| {name} | " + " | ".join(_fmt(p[key], '.3f', ' s') for key in (
+                "stall_s", "queued_s", "mark_s", "other_files_s", "longest_file_s", "after_files_s", "floor_s",
+                "floor_while_training_s")) + " |")
     for name, m in s["methods"].items():
         if (m.get("finish_wait_s") or 0.0) > 0.05:
             lines.append(f"\n{name}: its last save was still writing when its turn ended: {m['finish_wait_s']:.2f} s "
