@@ -47,8 +47,8 @@ from async_ckpt.resume import (check_for_rank, check_no_other_save, fetch_for_ra
 from async_ckpt.serialization import in_place, record_offsets
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
-from async_ckpt.tiers import (choose_tag, committed_view, estimate_save_bytes, folder_identity, holds_chosen_save,
-                              log_tier, nodes_from, room_for, undrained)
+from async_ckpt.tiers import (Node, TierRoom, choose_tag, committed_view, estimate_save_bytes, folder_identity,
+                              holds_chosen_save, log_tier, node_has_room, nodes_from, tier_room, undrained)
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
 
 logger = logging.getLogger("async_ckpt")
@@ -72,7 +72,7 @@ class _View(NamedTuple):
 
     tag: str
     proposal: _Proposal | None  # rank 0 only
-    room: tuple[bool, str]  # (fits, why not): room for the save in this rank's local tier
+    room: TierRoom | None  # with a local tier: this rank's bytes for it, and what its node folder has room for
     failure: tuple[str | None, str] | None  # what this rank would raise (on_error="raise")
     problem: str | None  # rank 0 only: why its checks of the storage failed
 
@@ -153,6 +153,7 @@ class AsyncCheckpointer:
         self._drainer: Drainer | None = None
         self._writer: BackgroundWriter | None = None
         self._node_ranks: tuple[int, ...] = ()  # with a local tier: the ranks sharing this rank's folder
+        self._nodes: list[Node] = []  # with a local tier: every node's ranks
         self._drain_failed = False
         self._drains_failed: set[tuple[str, str]] = set()  # (tag, save id) whose drain failure was recorded
         self._lower_rank_writes_model_states: dict[str, bool] = {}  # by storage URL; see _model_states_writer
@@ -415,9 +416,12 @@ class AsyncCheckpointer:
             tiers = [self._local] + ([self.storage] if self.rank == 0 else [])
             for tier in tiers if tag is None else []:
                 refuse_unsupported_latest(tier)
-            return committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None
+            return (committed_view(self._local), committed_view(self.storage) if self.rank == 0 else None,
+                    self._refusal_of_named(tag) if self.rank == 0 and tag is not None else None)
 
         views = self._gather_checked("to list the committed tags", list_committed)
+        if views[0][2] is not None:  # a tag the views leave out, named: refused as without a local tier
+            raise UsageError(views[0][2])
         local_views, durable_view = [v[0] for v in views], views[0][1]
         dp_rank, mp_rank = self._dp_rank(options.get("load_optimizer_states", True)), self._mp_rank()
         unreadable: str | None = None  # the first tag's problem, once fallen back
@@ -502,40 +506,48 @@ class AsyncCheckpointer:
     def close(self) -> None:
         """Finish pending saves, stop the writer thread and give the engine its own checkpoint engine back.
 
-        Waits at most ``wait_timeout_s`` for pending saves (then raises :class:`WaitTimeoutError`;
-        the engine is given back all the same). A save still being written then may fail (closing its
-        storage stops the transfers it started: S3 uploads in flight are cancelled) or may still
-        commit later; either way ``latest`` only ever names a complete checkpoint.
+        Waits at most ``wait_timeout_s`` in all for pending saves, the writer and any drains (then raises
+        :class:`WaitTimeoutError`; the engine is given back all the same). A save still being written then
+        may fail (closing its storage stops the transfers it started: S3 uploads in flight are cancelled) or
+        may still commit later; either way ``latest`` only ever names a complete checkpoint.
         """
         if self._closed:
             return
+        deadline = time.monotonic() + self.config.effective_wait_timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         try:
             self._writer.stop()  # first: it ends after the queued saves, even if a wait below gives up
             self._await_staging()
-            self._await_handles(self.config.effective_wait_timeout_s)
+            self._await_handles(left())
             self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
-                          "the background writer thread to stop", self.config.effective_wait_timeout_s)
+                          "the background writer thread to stop", left())
             if self._drainer is not None:  # every drain has ended: every rank holds the same failures
                 self._drainer.resume_retention()  # a load paused it: the redone drains' retention runs
                 self._handles.extend(self._drainer.retry_failed())
-                self._await_handles(self.config.effective_wait_timeout_s)
+                self._await_handles(left())
         finally:
-            self._release()
+            self._release(left())
         self._surface_errors()
 
-    def _release(self) -> None:
+    def _release(self, drain_timeout_s: float | None = None) -> None:
         """Stop the threads, free the staging memory, close the storages and give the engine back: the end
         of :meth:`close`, and of a ``wrap()`` that failed part-way (whatever it had started). The engine
         goes back first and each step runs whatever an earlier one raised (a sticky CUDA error in the
-        pool's synchronize): a checkpointer half released would leave the engine calling a closed one."""
+        pool's synchronize): a checkpointer half released would leave the engine calling a closed one.
+        ``drain_timeout_s``: how long the drainer may take to stop (what is left of :meth:`close`'s
+        ``wait_timeout_s``; default all of it)."""
         self._give_engine_back()
         try:
             if self._drainer is not None:
                 self._drainer.stop()
-                if not self._drainer.join(self.config.effective_wait_timeout_s):
-                    logger.warning("rank %d: the drainer thread did not stop within %.0f s; a drain to %s may "
-                                   "still be running, and fails once its storage is closed", self.rank,
-                                   self.config.effective_wait_timeout_s, self.config.url)
+                waited = self.config.effective_wait_timeout_s if drain_timeout_s is None else drain_timeout_s
+                if not self._drainer.join(waited):
+                    logger.warning("rank %d: the drainer thread did not stop within close()'s wait_timeout_s (%.0f "
+                                   "s); a drain to %s may still be running, and fails once its storage is closed",
+                                   self.rank, self.config.effective_wait_timeout_s, self.config.url)
             self._closed = True
             inflight.unregister(self)
             self._pool.close()
@@ -708,9 +720,9 @@ class AsyncCheckpointer:
         """
         self._await_saves_of(storage, tag)
         proposal, problem, holding = None, None, []  # holding: the tiers with the tag's manifest (rank 0)
-        room = room_for(self._local.local_dir(), estimate_save_bytes(self.engine, self.world_size,
-                                                                     self._pool.allocated_bytes),
-                        self.config.local_tier_max_bytes) if tiered else (True, "")
+        room = tier_room(self._local.local_dir(), estimate_save_bytes(self.engine, self.world_size,
+                                                                      self._pool.allocated_bytes),
+                         self.config.local_tier_max_bytes) if tiered else None
         if self.rank == 0:
             try:
                 held = storage.list_dir(tag)  # one request tells a committed tag from a new one
@@ -768,7 +780,10 @@ class AsyncCheckpointer:
                     commit.mark_started(tier, tag, 0, save_id)
                     tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
             self._gather_checked(f"to uncommit tag {tag!r}, which this save overwrites", uncommit)
-        full = [f"rank {r}: {v.room[1]}" for r, v in enumerate(views) if not v.room[0]]
+        # decided per node folder, from the bytes all its ranks will write: the same on every rank
+        rooms = [(node, node_has_room(self._local.local_dir(), [views[r].room for r in node.ranks],
+                                      self.config.local_tier_max_bytes)) for node in self._nodes] if tiered else []
+        full = [f"ranks {','.join(map(str, node.ranks))}: {why}" for node, (fits, why) in rooms if not fits]
         if full and self.rank == 0:
             logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,
                            "; ".join(full), storage.url)
@@ -813,7 +828,7 @@ class AsyncCheckpointer:
 
         nodes = nodes_from(self._gather_checked(f"to open {self.config.url} or the local tier {path}", open_folders))
         node = next(n for n in nodes if self.rank in n.ranks)
-        self._node_ranks = node.ranks
+        self._nodes, self._node_ranks = nodes, node.ranks
         target = DrainTarget(local=self._local, durable=self.storage, keep_last=self.config.keep_last,
                              keep_every=self.config.keep_every, local_keep_last=self.config.local_keep_last,
                              tier_leader=node.leader == self.rank)
@@ -959,6 +974,19 @@ class AsyncCheckpointer:
 
     def _loads_universal(self) -> bool:
         return bool(self.engine.load_universal_checkpoint())
+
+    def _refusal_of_named(self, tag: str) -> str | None:
+        """Why ``load(tag=...)`` with a local tier refuses ``tag`` if the URL holds it committed as a save the
+        tiers' views leave out (consolidated, or universal for an engine that does not load those): the
+        refusal a load without a local tier gives, rather than "committed in no tier"."""
+        manifest = read_manifest(self.storage, tag)
+        if manifest is None or not (manifest.consolidated or manifest.universal):
+            return None
+        try:
+            self._check_compatible(manifest)
+        except UsageError as exc:
+            return str(exc)
+        return None
 
     def _check_compatible(self, manifest: Any) -> None:
         if manifest.consolidated:

@@ -87,33 +87,60 @@ def tier_bytes(root: str) -> int:
     return total
 
 
-def room_for(root: str, needed: int, max_bytes: int | None) -> tuple[bool, str]:
-    """Whether ``needed`` bytes (with a margin) fit in the local tier: free disk space and the
-    ``local_tier_max_bytes`` quota. Returns ``(fits, why not)``; a folder that cannot be checked (gone,
-    an I/O error) has no room: it is checked on each rank before the save's collective, where a raise
-    on one node would leave the others waiting in it."""
-    wanted = int(needed * SPACE_MARGIN)
+@dataclass(frozen=True)
+class TierRoom:
+    """What one rank brings to the save's collective about its node folder: the bytes it will write there,
+    and what it found there (free bytes; with a quota, the bytes the folder holds; or why it could not
+    look). The ranks of a node share the folder, so whether a save fits is decided per node, on every
+    rank alike, from all of them (:func:`node_has_room`)."""
+
+    needed: int
+    free: int = 0
+    held: int | None = None
+    error: str | None = None
+
+
+def tier_room(root: str, needed: int, max_bytes: int | None) -> TierRoom:
+    """This rank's :class:`TierRoom` for ``needed`` bytes in the node folder ``root``. Never raises: it
+    runs on each rank before the save's collective, where a raise on one node would leave the others
+    waiting in it; a folder that cannot be checked (gone, an I/O error) has no room."""
     try:
         free = shutil.disk_usage(root).free
     except OSError as exc:
-        return False, f"cannot check the room in {root} ({type(exc).__name__}: {exc})"
+        return TierRoom(needed, error=f"cannot check the room in {root} ({type(exc).__name__}: {exc})")
+    return TierRoom(needed, free, tier_bytes(root) if max_bytes is not None else None)
+
+
+def node_has_room(root: str, rooms: list[TierRoom], max_bytes: int | None) -> tuple[bool, str]:
+    """Whether the bytes every rank of one node will write (``rooms``, one per rank of the node; with a
+    margin) fit in its folder ``root``: free disk space and the ``local_tier_max_bytes`` quota, which
+    bound the folder, not a rank. Returns ``(fits, why not)``."""
+    problems = [room.error for room in rooms if room.error]
+    if problems:
+        return False, problems[0]
+    wanted = int(sum(room.needed for room in rooms) * SPACE_MARGIN)
+    free = min(room.free for room in rooms)
+    ranks = f"{len(rooms)} rank(s)" if len(rooms) > 1 else "one rank"
     if free < wanted:
-        return False, f"{free / 1e9:.2f} GB free on {root}, about {wanted / 1e9:.2f} GB needed"
-    if max_bytes is not None:
-        held = tier_bytes(root)
-        if held + wanted > max_bytes:
-            return False, (f"{root} holds {held / 1e9:.2f} GB; another {wanted / 1e9:.2f} GB would exceed "
-                           f"local_tier_max_bytes={max_bytes}")
+        return False, f"{free / 1e9:.2f} GB free on {root}, about {wanted / 1e9:.2f} GB needed by its {ranks}"
+    held = max((room.held for room in rooms if room.held is not None), default=None)
+    if max_bytes is not None and held is not None and held + wanted > max_bytes:
+        return False, (f"{root} holds {held / 1e9:.2f} GB; another {wanted / 1e9:.2f} GB for its {ranks} would "
+                       f"exceed local_tier_max_bytes={max_bytes}")
     return True, ""
 
 
 def committed_view(storage: Storage) -> dict[str, tuple[int, float, bool, str]]:
     """``tag -> (step, created, sets_latest, save_id)`` of the resumable tags committed in ``storage``
-    (not universal, not consolidated; corrupt manifests are skipped with a warning by the caller)."""
+    (not universal, not consolidated); a tag whose manifest cannot be read is skipped with a warning
+    naming it, as a load without a local tier skips it."""
+    tags = list_tags(storage)
+    for info in tags:
+        if info.error is not None:
+            logger.warning("skipping %s tag %s at %s: %s", info.state, info.tag, storage.url, info.error)
     return {info.tag: (info.manifest.step, info.manifest.created_unix, info.manifest.sets_latest,
                        info.manifest.save_id)
-            for info in list_tags(storage)
-            if info.committed and not info.manifest.universal and not info.manifest.consolidated}
+            for info in tags if info.committed and not info.manifest.universal and not info.manifest.consolidated}
 
 
 def _recency(view: tuple[int, float, bool, str]) -> tuple[float, int]:
@@ -288,7 +315,8 @@ def estimate_save_bytes(engine: Any, world_size: int, previous: int) -> int:
     Adam holds about 16 bytes per parameter: weights, fp32 master copy and two moments) over the ranks."""
     if previous:
         return previous
-    params = sum(p.numel() for p in engine.module.parameters())
+    # ZeRO-3 frees a partitioned parameter to an empty tensor: its size is in ds_numel
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     return 16 * params // max(world_size, 1)
 
 

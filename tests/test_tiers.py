@@ -6,23 +6,26 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import tier_tasks
 from async_ckpt import ConfigError, SaveFailedError, commit, drain, wrap
 from async_ckpt.catalog import read_latest, read_manifest
 from async_ckpt.handle import SaveHandle, SaveResult
-from async_ckpt.layout import MARKS_LOCK, start_mark
+from async_ckpt.layout import MANIFEST, MARKS_LOCK, start_mark
 from async_ckpt.launch import RankError
-from async_ckpt.storage import open_storage
+from async_ckpt.storage import LocalStorage, open_storage
 from async_ckpt.storage.local import file_lock
-from async_ckpt.tiers import choose_tag, holds_chosen_save, prune_local, readable_saves, room_for, undrained
+from async_ckpt.tiers import (TierRoom, choose_tag, committed_view, estimate_save_bytes, holds_chosen_save,
+                              node_has_room, prune_local, readable_saves, tier_room, undrained)
 from conftest import rank_group
 from manifests import commit_by_hand
 from s3_server import FaultProxy, options
@@ -323,6 +326,30 @@ def test_a_save_committed_locally_but_not_yet_handed_to_its_drain_is_not_listed_
     assert len(listed) == 2 and all(line.endswith(": first") for line in listed)
 
 
+def test_a_tiered_load_of_a_named_consolidated_tag_is_refused_as_without_tiers(ranks, tmp_path):
+    """Before, the tiers' views left it out and the load said it was committed in no tier."""
+    for rank in ranks.run(tier_tasks.load_of_a_consolidated_tag_in_tiers, str(tmp_path / "durable"), str(tmp_path)):
+        kind, message = rank["load"]
+        assert kind == "UsageError" and "is a consolidated save" in message
+
+
+def test_the_tiers_view_skips_a_tag_whose_manifest_is_corrupt_with_a_warning_naming_it(tmp_path, caplog):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / MANIFEST).write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+        assert committed_view(LocalStorage(str(tmp_path))) == {}
+    assert any("bad" in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
+
+
+def test_close_with_a_drain_held_gives_up_once_wait_timeout_s_has_passed_not_twice(ranks, tmp_path):
+    """close() waited wait_timeout_s for the drain's save, then as long again for the drainer thread."""
+    wait_timeout_s = 3.0
+    for rank in ranks.run(tier_tasks.close_while_a_drain_is_held, str(tmp_path / "durable"), str(tmp_path / "gate"),
+                          str(tmp_path), wait_timeout_s):
+        assert rank["close"][0] == "WaitTimeoutError"
+        assert rank["close_s"] < 1.5 * wait_timeout_s  # a bound on the give-up, not a speed: twice was 6 s
+
+
 def test_a_tiered_load_that_fails_on_one_rank_with_any_error_raises_on_every_rank(ranks, tmp_path):
     """Before, an error of a type the load did not expect left the other ranks waiting in its collective."""
     out = ranks.run(tier_tasks.load_that_fails_on_rank_1_with_a_client_error, str(tmp_path / "durable"),
@@ -493,8 +520,34 @@ def test_a_tag_whose_drain_failed_twice_is_retried_once_for_its_last_attempt(tmp
 
 def test_a_local_tier_folder_that_is_gone_has_no_room_rather_than_raising(tmp_path):
     """Checked on each rank before the save's collective: a raise on one node would hang the others."""
-    fits, why = room_for(str(tmp_path / "wiped"), 1, None)
+    room = tier_room(str(tmp_path / "wiped"), 1, None)
+    fits, why = node_has_room(str(tmp_path / "wiped"), [room, TierRoom(1, free=10**12)], None)
     assert not fits and "cannot check the room in" in why and "wiped" in why
+
+
+def test_a_node_folder_must_hold_the_bytes_of_every_rank_that_shares_it():
+    """8 ranks of 20 GB each do not fit in 100 GB free, though each rank's 20 GB would."""
+    rooms = [TierRoom(20 * 10**9, free=100 * 10**9)] * 8
+    fits, why = node_has_room("/nvme/ckpt", rooms, None)
+    assert not fits and "176.00 GB needed by its 8 rank(s)" in why
+    assert node_has_room("/nvme/ckpt", rooms[:4], None) == (True, "")
+
+
+def test_the_local_tier_quota_bounds_the_node_folder_not_each_rank():
+    rooms = [TierRoom(40, free=10**6, held=10)] * 2
+    fits, why = node_has_room("/nvme/ckpt", rooms, max_bytes=80)
+    assert not fits and "local_tier_max_bytes=80" in why and "holds 0.00 GB" in why
+    assert node_has_room("/nvme/ckpt", rooms[:1], max_bytes=80) == (True, "")
+
+
+def test_the_first_saves_estimate_counts_zero3s_partitioned_parameters():
+    """ZeRO-3 frees a partitioned parameter to an empty tensor; its size stays in ds_numel."""
+    module = torch.nn.Linear(100, 10)
+    for param in module.parameters():
+        param.ds_numel = param.numel()
+        param.data = torch.empty(0)
+    engine = type("Engine", (), {"module": module})()
+    assert estimate_save_bytes(engine, world_size=2, previous=0) == 16 * 1010 // 2
 
 
 def test_a_tag_a_later_save_overwrites_is_not_retried_from_its_earlier_save(tmp_path):

@@ -237,6 +237,36 @@ def load_that_fails_on_rank_1_with_a_client_error(durable: str, work: str) -> di
         return {"load": _outcome(ckpt.load)}
 
 
+def load_of_a_consolidated_tag_in_tiers(durable: str, work: str) -> dict:
+    """A consolidated save (straight to the URL), then load(tag=...) of it with a local tier."""
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank())) as ckpt:
+        tag = ckpt.save_consolidated().tag
+        ckpt.wait()
+        return {"load": _outcome(lambda: ckpt.load(tag=tag))}
+
+
+def close_while_a_drain_is_held(durable: str, gate: str, work: str, wait_timeout_s: float) -> dict:
+    """A save committed on the local tier whose drain to the URL is held: close() gives up, and how long it took."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    ckpt = async_ckpt.wrap(engine, f"faulty://{durable}", storage_options={"gate": gate},
+                           local_tier=node_folder(work, _rank()), wait_timeout_s=wait_timeout_s)
+    ckpt.save(tag="held").wait_local(120)
+    started = time.monotonic()
+    outcome = _outcome(ckpt.close)
+    close_s = time.monotonic() - started
+    dist.barrier()
+    if _rank() == 0:
+        open(gate, "w").close()
+    deadline = time.monotonic() + 60  # the held drain ends once the gate opens: no thread outlives the task
+    while any(t.name.startswith("async_ckpt-drainer") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"close": outcome, "close_s": close_s}
+
+
 def load_while_a_drain_fails_on_one_rank(durable: str, work: str) -> dict:
     """Rank 1's drain of 'first' fails at once; rank 0's upload is held at a gate, still running, when both
     call load() with on_error="raise"."""
