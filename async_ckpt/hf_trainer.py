@@ -24,7 +24,11 @@ and after the last save may load the best checkpoint or delete all but it. async
 makes a save wait until the previous one is written; the callback also waits, before Trainer
 starts a new save, until every earlier save is *committed*, and at the last save until that one
 is. So Trainer never deletes or loads a checkpoint still being written or committed, and the
-folder it just saved is also the newest by mtime. The cost is the previous save's commit time
+folder it just saved is also the newest by mtime. A ``checkpoint-N`` whose save failed in the
+background (``on_error="warn"``) is then renamed ``failed-checkpoint-N`` by the process that writes
+Trainer's files: Trainer's rotation would otherwise count it among the ``save_total_limit`` newest and
+delete committed checkpoints in its place (after a few failures, every one), and
+``resume_from_checkpoint=True`` would pick it. The cost is the previous save's commit time
 (markers and a manifest), paid only when saves come faster than storage absorbs them.
 ``save_total_limit=1`` is refused: Trainer would delete the last committed checkpoint as soon as
 the next save is snapshotted, and a crash before that one commits would leave nothing to resume.
@@ -60,7 +64,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 
-from async_ckpt.catalog import holds_files
+from async_ckpt.catalog import holds_files, started_here
 from async_ckpt.checkpointer import AsyncCheckpointer, wrap
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.errors import UsageError
@@ -113,6 +117,8 @@ class AsyncCheckpointCallback(TrainerCallback):
         self.checkpointer: AsyncCheckpointer | None = None
         self._async_save: Callable[..., bool] | None = None  # the engine's save_checkpoint as wrap() left it
         self._last_saved: tuple[str, str, int] | None = None
+        self._folders: dict[str, str] = {}  # tag -> the checkpoint folder it was saved into
+        self._failures_seen = 0
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -132,6 +138,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         self._async_save = engine.save_checkpoint
         engine.save_checkpoint = self._save_checkpoint
         self._last_saved = None
+        self._folders, self._failures_seen = {}, 0
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -144,7 +151,7 @@ class AsyncCheckpointCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if control.should_training_stop and self.checkpointer is not None:
             # Trainer's end of training may load the best checkpoint or delete all others right away.
-            self.checkpointer.wait()
+            self._wait_for_saves(self.checkpointer)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -161,13 +168,47 @@ class AsyncCheckpointCallback(TrainerCallback):
             return
         if checkpointer.engine.__dict__.get("save_checkpoint") == self._save_checkpoint:
             del checkpointer.engine.save_checkpoint
-        checkpointer.close()
+        try:
+            checkpointer.close()
+        finally:
+            self._set_failed_aside(checkpointer)
 
     def _before_trainer_saves(self, args: TrainingArguments, control: TrainerControl) -> None:
         """Commit every earlier save before Trainer saves again (and then rotates checkpoint folders)."""
         saves_next = control.should_save or (control.should_evaluate and args.save_strategy == SaveStrategy.BEST)
         if saves_next and self.checkpointer is not None:
-            self.checkpointer.wait()
+            self._wait_for_saves(self.checkpointer)
+
+    def _wait_for_saves(self, checkpointer: AsyncCheckpointer) -> None:
+        try:
+            checkpointer.wait()
+        finally:  # with on_error="raise" too: a resume with resume_from_checkpoint=True must not pick the folder
+            self._set_failed_aside(checkpointer)
+
+    def _set_failed_aside(self, checkpointer: AsyncCheckpointer) -> None:
+        """Rename the ``checkpoint-N`` folder of each save that failed since the last call to
+        ``failed-checkpoint-N`` (on the process that writes Trainer's files), out of reach of Trainer's
+        rotation and of ``resume_from_checkpoint=True``. Called once every earlier save has settled."""
+        failures = checkpointer.failures[self._failures_seen:]
+        self._failures_seen += len(failures)
+        if not self._trainer.args.should_save:
+            return
+        for failure in failures:
+            folder = self._folders.get(failure.tag)
+            if folder is None or not _CHECKPOINT_RE.match(os.path.basename(folder)) or not os.path.isdir(folder):
+                continue
+            aside = os.path.join(os.path.dirname(folder), f"failed-{os.path.basename(folder)}")
+            n = 1
+            while os.path.exists(aside):
+                aside, n = os.path.join(os.path.dirname(folder), f"failed-{os.path.basename(folder)}-{n}"), n + 1
+            try:
+                os.rename(folder, aside)
+            except OSError as exc:
+                logger.error("the save into %s failed and the folder could not be set aside (%s): Trainer's rotation "
+                             "counts it as a checkpoint; move it away by hand", folder, exc)
+                continue
+            logger.warning("the save into %s failed; the folder is now %s, so that Trainer's rotation "
+                           "(save_total_limit) keeps committed checkpoints instead of it", folder, aside)
 
     def _save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None,
                          save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -181,6 +222,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         if key == self._last_saved:
             logger.debug("%s/%s is already being saved at this step; not saving it twice", key[0], key[1])
             return True
+        self._folders[key[1]] = key[0]
         self._async_save(save_dir, tag, client_state, save_latest=save_latest,
                          exclude_frozen_parameters=exclude_frozen_parameters)
         self._last_saved = key
@@ -240,7 +282,15 @@ def _committed_tag(folder: str) -> str | None:
 
 
 def _saved_tag(folder: str) -> str | None:
-    """The tag ``folder/latest`` names if its folder holds files: committed by async_ckpt, or written by
-    stock DeepSpeed (say, by a run before this one). A save of that tag refuses either."""
-    tag = _latest_tag(folder)
-    return tag if tag and os.path.isdir(os.path.join(folder, tag)) and holds_files(open_storage(folder), tag) else None
+    """A tag folder of ``folder`` that a save of that tag would refuse: committed by async_ckpt (its
+    manifest, whether or not ``latest`` was written after it), or holding files async_ckpt did not start
+    (stock DeepSpeed's, say by a run before this one, which may have died before its ``latest``)."""
+    storage = open_storage(folder)
+    for name in sorted(os.listdir(folder)):
+        if not os.path.isdir(os.path.join(folder, name)):
+            continue
+        if os.path.isfile(os.path.join(folder, name, MANIFEST)):
+            return name
+        if holds_files(storage, name) and not started_here(storage, name):
+            return name
+    return None

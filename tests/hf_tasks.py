@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import logging
 import os
@@ -94,6 +95,24 @@ def _slow_commits() -> Iterator[None]:
         commit._write_extras = original
 
 
+@contextlib.contextmanager
+def _commits_failing_after(good: int) -> Iterator[None]:
+    """Rank 0's commit of every save after the first ``good`` fails, as on a disk that filled up."""
+    original, commits = commit._write_extras, []
+
+    def failing_commit(job, entries):
+        commits.append(job.tag)
+        if len(commits) > good:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return original(job, entries)
+
+    commit._write_extras = failing_commit
+    try:
+        yield
+    finally:
+        commit._write_extras = original
+
+
 def _committed(folder: str) -> bool:
     latest = os.path.join(folder, "latest")
     if not os.path.isfile(latest):
@@ -141,6 +160,15 @@ def train_interrupted(output_dir: str, stage: int) -> dict:
     return {"losses": _losses(trainer), "seen": probe.seen, "saves": saved,
             "closed": callback.checkpointer is None,
             "engine_restored": "save_checkpoint" not in trainer.model_wrapped.__dict__}
+
+
+def train_with_failing_saves(output_dir: str, stage: int) -> dict:
+    """Saves at steps 2, 4 and 6 with save_total_limit=2 and on_error="warn"; only the first commits."""
+    trainer = _trainer(output_dir, stage, seed=0)
+    hf_trainer.enable(trainer, on_error="warn")
+    with _commits_failing_after(1):
+        trainer.train()
+    return {"folders": sorted(os.listdir(output_dir)), "newest_committed": hf_trainer.last_committed_checkpoint(output_dir)}
 
 
 def train_resumed(output_dir: str, stage: int) -> dict:

@@ -110,6 +110,15 @@ def test_best_checkpoint_is_loaded_at_train_end_once_committed(runs):
         assert rank["best"] == os.path.join(runs["out"], f"checkpoint-{hf_tasks.MAX_STEPS}")
 
 
+def test_failed_saves_are_set_aside_so_trainers_rotation_keeps_the_committed_checkpoint(ranks, tmp_path):
+    """save_total_limit=2, saves at steps 2, 4 and 6, the last two failing in the background: Trainer's
+    rotation would count the failed folders and delete checkpoint-2, the one committed checkpoint."""
+    out = ranks.run(hf_tasks.train_with_failing_saves, str(tmp_path / "run"), 2)[0]
+    assert [f for f in out["folders"] if "checkpoint" in f] == ["checkpoint-2", "failed-checkpoint-4",
+                                                                 "failed-checkpoint-6"]
+    assert out["newest_committed"] == str(tmp_path / "run" / "checkpoint-2")
+
+
 def test_a_new_run_refuses_to_start_below_committed_checkpoints(runs, ranks):
     errors = ranks.run(hf_tasks.start_over, runs["out"], runs["stage"])
     assert all(e is not None and f"checkpoint-{hf_tasks.MAX_STEPS}" in e for e in errors)
@@ -207,3 +216,18 @@ def test_a_tag_folder_that_an_aborted_save_left_without_files_is_no_saved_checkp
     assert _saved_tag(str(tmp_path)) is None
     (tmp_path / "global_step9" / "mp_rank_00_model_states.pt").write_bytes(b"x")
     assert _saved_tag(str(tmp_path)) == "global_step9"
+
+
+def test_a_committed_tag_without_latest_or_a_stock_one_that_died_before_it_is_a_saved_checkpoint(tmp_path):
+    """Both would make the save of that step refuse its tag, hours into the run: refused at train begin."""
+    committed, stock, dead = tmp_path / "committed", tmp_path / "stock", tmp_path / "dead"
+    (committed / "global_step9").mkdir(parents=True)
+    (committed / "global_step9" / "async_ckpt_manifest.json").write_text("{}")  # latest never written
+    (stock / "global_step9").mkdir(parents=True)
+    (stock / "global_step9" / "mp_rank_00_model_states.pt").write_bytes(b"x")  # no latest, no start mark
+    (dead / "global_step9" / ".async_ckpt").mkdir(parents=True)
+    (dead / "global_step9" / ".async_ckpt" / "started-rank0").write_text("save-id")
+    (dead / "global_step9" / "mp_rank_00_model_states.pt").write_bytes(b"x")  # our own save cut short
+    assert _saved_tag(str(committed)) == "global_step9" and _saved_tag(str(stock)) == "global_step9"
+    assert _saved_tag(str(dead)) is None
+
