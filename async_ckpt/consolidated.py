@@ -90,7 +90,10 @@ def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[
 
 
 def shard_names(count: int, *, safetensors: bool = True) -> list[str]:
-    """``model-00001-of-0000N.safetensors`` (or ``pytorch_model-...bin``), as ``save_pretrained`` names shards."""
+    """``model-00001-of-0000N.safetensors`` (or ``pytorch_model-...bin``), as ``save_pretrained`` names shards.
+
+    One shard is named so too, with an index, where ``save_pretrained`` writes ``model.safetensors`` alone:
+    ``from_pretrained`` reads either; a tool that opens ``model.safetensors`` by name does not."""
     stem, ext = ("model", "safetensors") if safetensors else ("pytorch_model", "bin")
     return [f"{stem}-{i:05d}-of-{count:05d}.{ext}" for i in range(1, count + 1)]
 
@@ -103,8 +106,13 @@ def index_json(shards: list[dict[str, torch.Tensor]], names: list[str]) -> bytes
 
 
 def floating_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
-    """The dtype of the first floating-point tensor: what the weights are, for ``config.json``."""
-    return next((t.dtype for t in state.values() if t.is_floating_point()), None)
+    """The floating-point dtype holding the most bytes: what the weights are, for ``config.json`` (a small
+    fp32 buffer before bf16 weights would otherwise make ``from_pretrained(dtype="auto")`` load them in fp32)."""
+    held: dict[torch.dtype, int] = {}
+    for tensor in state.values():
+        if tensor.is_floating_point():
+            held[tensor.dtype] = held.get(tensor.dtype, 0) + nbytes(tensor)
+    return max(held, key=held.__getitem__) if held else None
 
 
 def set_config_dtype(path: str, dtype: torch.dtype) -> None:

@@ -24,7 +24,7 @@ from async_ckpt.consolidated import (DEFAULT_SHARD_BYTES, SAFETENSORS_INDEX, TOR
 from async_ckpt.errors import ConversionError, UsageError
 from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import Manifest
-from async_ckpt.pull import pull
+from async_ckpt.pull import local_view
 from async_ckpt.storage.base import Storage
 
 logger = logging.getLogger("async_ckpt")
@@ -54,7 +54,8 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
     ``save_pretrained`` does; ``from_pretrained`` ties them again from the config. The files are
     written under a ``.partial-`` folder inside ``out_dir`` (a mount point or a symlink may be given:
     nothing is renamed onto it) and take their place only once all are complete, the shard index last:
-    an export that fails or is killed leaves no shards without their index in ``out_dir``.
+    an export that fails leaves no shards without their index in ``out_dir``, nor does one killed before
+    those renames (a kill among them, a matter of milliseconds, can).
     """
     if manifest.consolidated:
         raise UsageError(f"tag {manifest.tag!r} is a consolidated save: it already is a Hugging Face folder (or "
@@ -62,6 +63,10 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
     if manifest.universal:
         raise UsageError(f"tag {manifest.tag!r} is a universal checkpoint, which zero_to_fp32 cannot consolidate: "
                          "export the ZeRO tag it was converted from (or load it with checkpoint.load_universal)")
+    if manifest.zero_stage == 0 and not any("zero_pp_rank_" in entry.path for entry in manifest.files):
+        raise UsageError(f"tag {manifest.tag!r} was saved without ZeRO partitioning (stage 0): zero_to_fp32 has no "
+                         "shards to consolidate. Its weights are whole in mp_rank_00_model_states.pt under 'module': "
+                         "`async-ckpt pull` it and load that file with torch.load")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     if max_shard_bytes <= 0:
@@ -76,12 +81,8 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
             raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    local = storage.local_dir()
     with tempfile.TemporaryDirectory(prefix="async_ckpt_export_") as scratch:
-        root = local
-        if root is None:
-            root = os.path.join(scratch, "pulled")
-            pull(storage, manifest, root, show_progress=show_progress)
+        root = local_view(storage, manifest, scratch, show_progress=show_progress)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress prints; stdout is for --json
             try:
                 state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
@@ -93,6 +94,7 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
         os.makedirs(out_dir, exist_ok=True)
         partial = os.path.join(out_dir, f"{_PARTIAL}{uuid.uuid4().hex[:8]}")
         os.mkdir(partial)
+        moved: list[str] = []
         try:
             _write_shards(cast(tensors, dtype), partial, safetensors, max_shard_bytes, report)
             tag_dir = os.path.join(root, manifest.tag)
@@ -105,8 +107,12 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
                 set_config_dtype(os.path.join(partial, "config.json"), DTYPES[dtype])
             for name in sorted(os.listdir(partial), key=lambda n: n in (SAFETENSORS_INDEX, TORCH_INDEX)):
                 os.replace(os.path.join(partial, name), os.path.join(out_dir, name))  # the shard index last
+                moved.append(name)
             os.rmdir(partial)
         except BaseException:
+            for name in moved:  # a failure among the renames: no shard stays without its index
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(out_dir, name))
             shutil.rmtree(partial, ignore_errors=True)
             if created:
                 with contextlib.suppress(OSError):

@@ -197,6 +197,33 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     return report
 
 
+def local_view(storage: Storage, manifest: Manifest, scratch: str, *, show_progress: bool = True) -> str:
+    """A local root whose ``<tag>`` folder holds exactly ``manifest``'s files: for DeepSpeed's offline tools
+    (``zero_to_fp32``, ``ds_to_universal``), which take every file of the tag folder whose name matches.
+
+    From a remote storage the files are pulled into ``scratch``. A local root's tag folder may hold more
+    than its manifest lists (a ``.partial`` file a killed save left, shards of an earlier, larger save of a
+    tag written again with ``overwrite_tags``), which the tools would read as part of the checkpoint: the
+    view is then hard links to the listed files (symbolic links across filesystems), no copy."""
+    root = storage.local_dir()
+    view = os.path.join(scratch, "in")
+    if root is None:
+        pull(storage, manifest, view, show_progress=show_progress)
+        return view
+    for entry in manifest.files:
+        source = os.path.join(root, manifest.tag, *entry.path.split("/"))
+        target = os.path.join(view, manifest.tag, *entry.path.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.link(source, target)
+        except FileNotFoundError as exc:
+            raise MissingFileError(f"{entry.path} of tag {manifest.tag!r} is missing from {root}: run `async-ckpt "
+                                   f"verify {root} --tag {manifest.tag}`") from exc
+        except OSError:  # another filesystem, or one without hard links
+            os.symlink(source, target)
+    return view
+
+
 def _stored_manifest(storage: Storage, manifest: Manifest) -> bytes:
     """The tag's manifest as stored, fields this version does not know included (a later version's, which
     reads the pulled copy too), provided it is still the save whose files were pulled; this version's

@@ -24,7 +24,7 @@ from async_ckpt.commit import mark_started, remove_bookkeeping
 from async_ckpt.errors import ConversionError, TagExistsError, UsageError
 from async_ckpt.layout import LATEST_UNIVERSAL, MANIFEST, manifest_path, validate_tag
 from async_ckpt.manifest import FileEntry, Manifest
-from async_ckpt.pull import pull
+from async_ckpt.pull import local_view
 from async_ckpt.serialization import copy_local_file
 from async_ckpt.storage.base import Storage
 
@@ -60,10 +60,7 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
                              "of DeepSpeed's own?); pass another --out-tag or move it away")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="async_ckpt_universal_") as scratch:
-        root = source.local_dir()
-        if root is None:
-            root = os.path.join(scratch, "in")
-            pull(source, manifest, root, show_progress=show_progress)
+        root = local_view(source, manifest, scratch, show_progress=show_progress)
         out_dir = os.path.join(scratch, "out", out_tag)
         _run_ds_to_universal(os.path.join(root, manifest.tag), out_dir, workers)
         save_id = uuid.uuid4().hex

@@ -16,6 +16,7 @@ import torch
 from s3_server import options
 from safetensors.torch import load_file
 
+from async_ckpt.consolidated import floating_dtype
 from async_ckpt.manifest import Manifest
 
 _RUNS: dict[int, dict] = {}
@@ -178,3 +179,11 @@ def test_save_16bit_model_under_zero3_without_gathering_returns_false_and_writes
 
 def test_close_gives_the_engine_its_own_save_16bit_model_back(run):
     assert run["save_16bit_model_restored"] is True
+
+
+def test_the_configs_dtype_is_the_one_most_of_the_weights_bytes_are_in():
+    """A small fp32 buffer listed before bf16 weights: the config says bfloat16, so dtype="auto" keeps them bf16."""
+    state = {"rotary.inv_freq": torch.zeros(8), "wte.weight": torch.zeros(64, 16, dtype=torch.bfloat16),
+             "steps": torch.zeros(1, dtype=torch.int64)}
+    assert floating_dtype(state) == torch.bfloat16
+    assert floating_dtype({"steps": torch.zeros(1, dtype=torch.int64)}) is None

@@ -26,6 +26,7 @@ import interop_tasks
 from async_ckpt import StorageError, UsageError
 from async_ckpt.checksum import format_crc
 from async_ckpt.cli import main
+from async_ckpt.export import export_hf
 from async_ckpt.layout import MANIFEST
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.pull import pull
@@ -61,6 +62,11 @@ def _saved(stage: int, ranks, s3, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def zero3(ranks, s3, tmp_path_factory):
     return _saved(3, ranks, s3, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def zero2(ranks, s3, tmp_path_factory):
+    return _saved(2, ranks, s3, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
@@ -388,6 +394,25 @@ def test_an_export_that_fails_leaves_no_folder_under_its_name_and_names_tmpdir(z
     assert os.listdir(tmp_path) == []
 
 
+def test_an_export_failing_among_its_final_renames_leaves_no_shard_without_its_index(zero3, capsys, tmp_path,
+                                                                                      monkeypatch):
+    from async_ckpt import export
+
+    rename = os.replace
+
+    def index_not_renamed(source, dest):
+        if str(dest).endswith(".index.json"):
+            raise OSError(errno.EIO, "Input/output error (injected)", dest)
+        rename(source, dest)
+
+    (tmp_path / "hf").mkdir()
+    monkeypatch.setattr(export.os, "replace", index_not_renamed)
+    code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path / "hf"), "--max-shard-gb",
+                           "0.001")
+    assert code == 2 and "Input/output error" in err
+    assert os.listdir(tmp_path / "hf") == []
+
+
 def test_export_into_an_empty_folder_given_through_a_symlink_fills_it(zero3, capsys, tmp_path):
     """A folder given (a mount point, a symlink, '.') is filled, not replaced: renaming onto it fails."""
     (tmp_path / "volume").mkdir()
@@ -409,6 +434,48 @@ def test_export_into_a_folder_a_killed_export_left_its_partial_folder_in_goes_ah
 def test_export_of_a_missing_tag_is_a_clear_error(zero3, capsys, tmp_path):
     code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--tag", "nope", "--out", str(tmp_path / "hf"))
     assert code == 2 and "'nope' not found" in err and not (tmp_path / "hf").exists()
+
+
+def _root_with_files_no_manifest_lists(run, tmp_path) -> str:
+    """A copy of the local root whose tag folder also holds what its manifest does not list: a killed
+    save's .partial file and the shards of an earlier save of the tag by 4 ranks (then saved again by 2
+    with overwrite_tags), which DeepSpeed's tools, reading every matching name, would take for the checkpoint's."""
+    root = tmp_path / "root"
+    shutil.copytree(run["local"], root)
+    tag_dir = root / run["tag"]
+    (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt.0123456789ab.partial").write_bytes(b"cut short")
+    for rank in (2, 3):
+        for kind in ("model", "optim"):  # ZeRO-3 has a model-states file per rank, ZeRO-2 one mp_rank_00 file
+            if (tag_dir / f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt").is_file():
+                shutil.copyfile(tag_dir / f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt",
+                                tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt")
+    return str(root)
+
+
+def test_export_from_a_local_root_reads_only_the_files_its_manifest_lists(zero3, capsys, tmp_path):
+    root = _root_with_files_no_manifest_lists(zero3, tmp_path)
+    code, _, err = run_cli(capsys, "export", root, "--out", str(tmp_path / "hf"))
+    assert code == 0, err
+    assert torch.equal(_hf_logits(tmp_path / "hf"), zero3["logits"])
+
+
+def test_to_universal_from_a_local_root_reads_only_the_files_its_manifest_lists(zero2, capsys, tmp_path):
+    """ZeRO-2: ds_to_universal takes every file whose name starts with zero_pp_rank_ (ZeRO-3's globs .pt names)."""
+    root = _root_with_files_no_manifest_lists(zero2, tmp_path)
+    code, out, err = run_cli(capsys, "to-universal", root, "--out", str(tmp_path / "universal"), "--json")
+    assert code == 0, err
+    code, out, _ = run_cli(capsys, "verify", str(tmp_path / "universal"), "--tag", json.loads(out)["tag"], "--json")
+    assert code == 0 and json.loads(out)["ok"]
+
+
+def test_export_of_a_tag_saved_without_zero_says_where_its_weights_are(tmp_path):
+    """ZeRO stage 0 (fp32): one mp_rank_00 file, no shards for zero_to_fp32 (its param_shapes are None)."""
+    manifest = Manifest(tag="t", step=1, world_size=1, zero_stage=0, dtype="fp32",
+                        files=[FileEntry("mp_rank_00_model_states.pt", 10, format_crc(0), 0)], versions={},
+                        created_unix=1.0, save_id="s")
+    with pytest.raises(UsageError, match="stage 0.*mp_rank_00_model_states.pt"):
+        export_hf(LocalStorage(str(tmp_path)), manifest, str(tmp_path / "hf"), show_progress=False)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_export_into_a_non_empty_folder_is_refused(zero3, capsys, tmp_path):
