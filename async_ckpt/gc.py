@@ -2,7 +2,8 @@
 
 Left behind by a crash can be: tag folders without a manifest (a save that never committed) or
 with one that cannot be read (a corrupt tag, which is never loaded),
-``.partial`` files (a write cut off mid-file), bookkeeping folders (``.async_ckpt/``), and on S3
+``.partial`` files (a write cut off mid-file, in a tag or at the root), bookkeeping folders
+(``.async_ckpt/``), write probes at the root, and on S3
 multipart uploads that were never completed or aborted (their parts are stored, and billed, until
 aborted). Anything younger than the grace period may belong to a save still in progress and is left
 alone: a folder is as young as its newest file, or as the last part uploaded under it.
@@ -31,7 +32,7 @@ from typing import ContextManager
 from async_ckpt.catalog import inspect_latest, list_tags, modified_or_now, newest_mtime, started_here
 from async_ckpt.commit import delete_tag, no_new_marks
 from async_ckpt.layout import DELETION_MARKS, LATEST, LATEST_UNIVERSAL, MARKER_DIR, deletion_mark
-from async_ckpt.storage.base import Storage
+from async_ckpt.storage.base import PROBE_PREFIX, Storage
 
 logger = logging.getLogger("async_ckpt")
 
@@ -63,6 +64,18 @@ def _collect_leftovers(storage: Storage, tag: str, cutoff: float, report: GcRepo
             report.bookkeeping.append(markers)
             if not report.dry_run:
                 storage.delete(markers, recursive=True)
+
+
+def _collect_root_leftovers(storage: Storage, cutoff: float, report: GcReport) -> None:
+    """The root's own files older than ``cutoff`` that a killed process left: a ``.partial`` of ``latest``
+    (or of a recovery script) cut short, and a write probe of ``wrap()`` or a CLI command."""
+    for name in storage.list_dir():
+        leftover = name.endswith(".partial") or name.startswith(PROBE_PREFIX)
+        if not leftover or storage.is_dir(name) or modified_or_now(storage, name) >= cutoff:
+            continue
+        (report.partial_files if name.endswith(".partial") else report.bookkeeping).append(name)
+        if not report.dry_run:
+            storage.delete(name)
 
 
 def _holding_off_marks(storage: Storage, dry_run: bool) -> ContextManager[None]:
@@ -149,6 +162,7 @@ def collect_garbage(storage: Storage, *, grace_s: float = 3600.0, dry_run: bool 
             report.bookkeeping.append(mark)
             if not dry_run:
                 storage.delete(mark)
+    _collect_root_leftovers(storage, cutoff, report)
     for key, upload_id, started in uploads:
         if key.split("/", 1)[0] not in ours:
             report.kept_uploads.append(key)

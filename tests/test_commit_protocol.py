@@ -473,6 +473,19 @@ def test_gc_goes_on_past_a_committed_tags_partial_file_renamed_while_gc_looks(tm
     assert (tmp_path / "live" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
 
 
+def test_gc_removes_what_a_killed_process_left_at_the_root_once_old(tmp_path):
+    """A `latest` cut short mid-write, a write probe never removed; a young one may be a live process's."""
+    commit_by_hand(open_storage(str(tmp_path)), "live", 1)
+    for name in ("latest.0123456789ab.partial", ".async_ckpt-probe-00aa", ".async_ckpt-probe-11bb"):
+        (tmp_path / name).write_bytes(b"x")
+    for name in ("latest.0123456789ab.partial", ".async_ckpt-probe-00aa"):
+        os.utime(tmp_path / name, (time.time() - 7200,) * 2)
+    report = collect_garbage(open_storage(str(tmp_path)), grace_s=3600)
+    assert report.partial_files == ["latest.0123456789ab.partial"]
+    assert report.bookkeeping == [".async_ckpt-probe-00aa"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [".async_ckpt-probe-11bb"]
+
+
 class _SaveReusesTheName(LocalStorage):
     """A node folder where, as gc deletes the dead folder ``dead`` (or ``live``'s old bookkeeping), a new
     save of that tag starts writing its start mark on another thread: ``landed_during`` is whether the

@@ -26,6 +26,9 @@ IO_CHUNK = 8 * 1024 * 1024
 
 #: Streams that take lent buffers (``write_borrowed``) copy smaller ones: not worth writes of their own.
 LEND_MIN = 1024 * 1024
+#: Name prefix of the file :meth:`Storage.probe` writes at a root and removes (``gc`` removes one a killed
+#: process left).
+PROBE_PREFIX = ".async_ckpt-probe-"
 
 #: Called with the number of bytes just transferred (for progress bars).
 Progress = Callable[[int], None]
@@ -177,7 +180,7 @@ class Storage(abc.ABC):
 
         Raises :class:`StorageError` naming the URL and the likely fix.
         """
-        name = f".async_ckpt-probe-{uuid.uuid4().hex}"
+        name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
         try:
             self.write_bytes(name, b"ok")
             if self.read_bytes(name) != b"ok":
