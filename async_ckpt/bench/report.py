@@ -55,7 +55,8 @@ def durable_profile(ranks: list[dict], name: str, target: str) -> dict[str, floa
     took longest, split into its stall, its wait in the writer's queue, its start mark, its files but the
     longest, the longest file (the optimizer state's: its copy waits, its write, its fsyncs) and what came
     after the files (the rest of the copy, the commit handshake, the manifest and ``latest``); median over
-    saves. Beside it, the target's floor for that rank's bytes (the disk's, idle and while training, or the
+    saves; and of the write, the writer's wait for the staging copy that overlaps training. Beside it, the
+    target's floor for that rank's bytes (the disk's, idle and while training, or the
     S3 upload's): the longest file against it says what the writer adds to the target, the rest is what
     the save adds around it."""
     floor, busy_floor = ("s3_upload_s", None) if target == "s3" else ("local_write_s", "local_write_while_training_s")
@@ -70,9 +71,11 @@ def durable_profile(ranks: list[dict], name: str, target: str) -> dict[str, floa
         longest = max(files.values())
         row = {"stall_s": metrics.get("stall_s", 0.0), "queued_s": metrics.get("queued_s", 0.0),
                "mark_s": metrics["mark_s"], "other_files_s": sum(files.values()) - longest, "longest_file_s": longest,
+               "copy_wait_s": metrics.get("copy_wait_s"),
                "floor_s": rank["floor"].get(floor),
                "floor_while_training_s": rank["floor"].get(busy_floor) if busy_floor else None}
-        row["after_files_s"] = save["durable_s"] - sum(v for k, v in row.items() if not k.startswith("floor"))
+        row["after_files_s"] = save["durable_s"] - sum(v for k, v in row.items()
+                                                       if k not in ("copy_wait_s", "floor_s", "floor_while_training_s"))
         rows.append(row)
     return {key: _median([row[key] for row in rows if row[key] is not None]) for key in rows[0]} if rows else None
 
@@ -347,12 +350,13 @@ def table(report: dict) -> str:
         lines += ["", "Where the time to durable goes (per save the slowest rank's, median over saves; the longest "
                   "file is the optimizer state's, with its copy waits and fsyncs; after the files: the commit, the "
                   "manifest and `latest`), beside the target's floor for that rank's bytes:", "",
-                  "| method | stall | queued | start mark | other files | longest file | after the files "
-                  "| floor: idle | floor: while training |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| method | stall | queued | start mark | other files | longest file | of the write, waiting for "
+                  "the overlapped copy | after the files | floor: idle | floor: while training |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, p in profiled.items():
             lines.append(f"| {name} | " + " | ".join(_fmt(p[key], '.3f', ' s') for key in (
-                "stall_s", "queued_s", "mark_s", "other_files_s", "longest_file_s", "after_files_s", "floor_s",
-                "floor_while_training_s")) + " |")
+                "stall_s", "queued_s", "mark_s", "other_files_s", "longest_file_s", "copy_wait_s", "after_files_s",
+                "floor_s", "floor_while_training_s")) + " |")
     for name, m in s["methods"].items():
         if (m.get("finish_wait_s") or 0.0) > 0.05:
             lines.append(f"\n{name}: its last save was still writing when its turn ended: {m['finish_wait_s']:.2f} s "
