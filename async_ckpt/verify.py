@@ -31,8 +31,13 @@ def check_local_file(path: str, entry: FileEntry, rel: str | None = None) -> Fil
         return FileCheck(ok=False, problem="missing", **base)
     if size != entry.size:
         return FileCheck(ok=False, problem=f"size {size} != expected {entry.size}", actual_size=size, **base)
-    with open(path, "rb") as fh:
-        _, crc = crc32_of_stream(fh)
+    try:  # gone since, or unreadable (an I/O error): a failed check, not a raise out of the whole verification
+        with open(path, "rb") as fh:
+            _, crc = crc32_of_stream(fh)
+    except FileNotFoundError:
+        return FileCheck(ok=False, problem="missing", **base)
+    except OSError as exc:
+        return FileCheck(ok=False, problem=f"unreadable ({exc.strerror or exc})", actual_size=size, **base)
     if crc != entry.crc32:
         return FileCheck(ok=False, problem=f"crc32 {crc} != expected {entry.crc32}", actual_size=size,
                          actual_crc32=crc, **base)

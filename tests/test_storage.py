@@ -485,3 +485,20 @@ def test_s3_download_into_a_full_disk_names_the_local_folder_not_the_network(s3,
     with pytest.raises(StorageError, match=r"cannot write .*small.bin.*No space left on device. Free space in that "
                                            r"folder \(on resume: cache_dir\)"):
         storage.get_file("small.bin", str(tmp_path / "small.bin"))
+
+
+def test_a_local_file_that_cannot_be_read_fails_its_check_rather_than_the_verification(tmp_path, monkeypatch):
+    """An I/O error on one file (or the file gone after its size was read): that file is BAD, the others checked."""
+    from async_ckpt import verify
+    from async_ckpt.manifest import FileEntry
+
+    (tmp_path / "f.pt").write_bytes(b"abc")
+    entry = FileEntry("f.pt", 3, "352441c2", 0)
+    assert verify.check_local_file(str(tmp_path / "f.pt"), entry).ok
+
+    def failing_open(path, mode="r", *args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(verify, "open", failing_open, raising=False)
+    check = verify.check_local_file(str(tmp_path / "f.pt"), entry)
+    assert not check.ok and check.problem == "unreadable (Input/output error)"
