@@ -120,6 +120,9 @@ class AsyncCheckpointer:
         if not all(hasattr(engine, a) for a in ("save_checkpoint", "load_checkpoint", "checkpoint_engine")):
             raise UsageError(f"wrap() needs the DeepSpeedEngine returned by deepspeed.initialize, "
                              f"got {type(engine).__name__}")
+        if isinstance(engine.checkpoint_engine, AsyncCheckpointEngine):
+            raise UsageError("this engine is already wrapped by an async_ckpt checkpointer that is still open: use the "
+                             "checkpointer that wrap() returned, or close() it before wrapping the engine again")
         if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
             raise UsageError(f"tokenizer must have a save_pretrained(dir) method, got {type(tokenizer).__name__}")
         if getattr(engine, "zero_nvme_offload_optimizer", lambda: False)():

@@ -275,6 +275,8 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
     out["nvme_offload"] = _outcome(lambda: async_ckpt.wrap(engine, root))
     del engine.zero_nvme_offload_optimizer
     ckpt = async_ckpt.wrap(engine, root)
+    out["wrap_of_a_wrapped_engine"] = _outcome(lambda: async_ckpt.wrap(engine, f"{root}-second"))
+    out["second_root_made"] = os.path.exists(f"{root}-second")
     dist.barrier()  # every rank's wrap probe file is gone before the listing
     before = sorted(os.listdir(root))
     for name, tag in {"empty_tag": "", "slash_tag": "a/b", "dotdot_tag": "..", "parent_tag": "../escape",

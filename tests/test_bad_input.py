@@ -107,6 +107,14 @@ def test_invalid_option_fails_at_wrap(outcomes, case, kind):
     assert outcomes[0][case][0] == kind
 
 
+def test_wrapping_an_engine_already_wrapped_is_refused_before_anything_is_written(outcomes):
+    """A second wrap would stand in for the first's hooks (its optimizer-step wait among them) and give
+    the engine back to the first's on close."""
+    kind, message = outcomes[0]["wrap_of_a_wrapped_engine"]
+    assert kind == "UsageError" and "already wrapped" in message and "close()" in message
+    assert not outcomes[0]["second_root_made"]
+
+
 def test_nvme_optimizer_offload_is_refused_at_wrap_naming_what_to_use(outcomes):
     """DeepSpeed copies its swap files into the save folder outside the checkpoint engine: they would be lost."""
     kind, message = outcomes[0]["nvme_offload"]
