@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from async_ckpt.layout import MARKS_LOCK
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.serialization import crc32_of_stream
 from async_ckpt.storage.base import Storage
@@ -19,6 +20,9 @@ class FileCheck:
     actual_size: int | None = None
     expected_crc32: str = ""
     actual_crc32: str | None = None
+    #: Missing from a local tier's node folder because another node's ranks wrote it (:func:`on_other_nodes`):
+    #: not a failure of this folder.
+    elsewhere: bool = False
 
 
 def check_local_file(path: str, entry: FileEntry, rel: str | None = None) -> FileCheck:
@@ -67,3 +71,19 @@ def verify_tag(storage: Storage, manifest: Manifest, paths: list[str] | None = N
     """Check every file of the tag (or just ``paths``)."""
     wanted = set(paths) if paths is not None else None
     return [check_stored_file(storage, manifest.tag, e) for e in manifest.files if wanted is None or e.path in wanted]
+
+
+def on_other_nodes(storage: Storage, manifest: Manifest, checks: list[FileCheck]) -> list[FileCheck]:
+    """``checks`` of a local tier's node folder with the files other nodes hold marked ``elsewhere``.
+
+    A node folder's manifest lists every rank's files (a resumed drain commits the whole tag at the URL
+    from it), but the folder holds only its own ranks' shards. Its ranks are those with a file there: a
+    missing file of a rank with none is another node's. (A rank whose every file this folder lost is
+    taken for another node's too.) Outside node folders, which hold a marks lock, ``checks`` as given."""
+    if not storage.exists(MARKS_LOCK):
+        return checks
+    rank_of = {entry.path: entry.rank for entry in manifest.files}
+    present = {rank_of[c.path] for c in checks if c.problem != "missing"}
+    return [replace(c, elsewhere=True) if c.problem == "missing" and rank_of[c.path] not in present else c
+            for c in checks]
+

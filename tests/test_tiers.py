@@ -19,6 +19,7 @@ import torch.distributed as dist
 import tier_tasks
 from async_ckpt import ConfigError, SaveFailedError, commit, drain, wrap
 from async_ckpt.catalog import read_latest, read_manifest
+from async_ckpt.cli import main as cli_main
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.layout import MANIFEST, MARKS_LOCK, start_mark
 from async_ckpt.launch import RankError
@@ -70,6 +71,19 @@ def test_a_save_commits_on_the_local_tier_before_it_is_durable(run):
             assert moments["local_url"] == str(run["work"] / f"node{rank}")
             assert moments["durable_url"] == run["url"]
             assert 0 < moments["local_committed_s"] < moments["durable_s"]
+
+
+def test_verify_of_a_node_folder_checks_its_own_files_and_names_the_other_nodes(run, tmp_path, capsys):
+    """Its manifest lists every rank's files; the folder holds only its node's: those are checked, the rest named."""
+    node = tmp_path / "node0"
+    shutil.copytree(run["work"] / "node0", node)
+    assert cli_main(["verify", str(node), "--tag", "c", "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert {f["path"] for f in files if f["elsewhere"]} == {"zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    assert all(f["ok"] for f in files if not f["elsewhere"])
+    (node / "c" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()  # one of its own: a failure
+    assert cli_main(["verify", str(node), "--tag", "c"]) == 1
+    assert "BAD  zero_pp_rank_0_mp_rank_00_optim_states.pt  (missing)" in capsys.readouterr().out
 
 
 def test_every_tag_is_committed_in_the_bucket_with_latest_on_the_newest(run):
