@@ -55,6 +55,9 @@ logger = logging.getLogger("async_ckpt")
 
 #: How often a long wait for background work logs that it is still waiting.
 _PROGRESS_EVERY_S = 60.0
+#: How long close() lets the writer and drainer threads take to end once every save has settled, however
+#: little of wait_timeout_s is left: they only finish their callbacks (on_save_done) then.
+_SETTLED_JOIN_S = 10.0
 
 
 class _Proposal(NamedTuple):
@@ -521,18 +524,21 @@ class AsyncCheckpointer:
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
+        settled_floor = min(self.config.effective_wait_timeout_s, _SETTLED_JOIN_S)
+        settled = False
         try:
             self._writer.stop()  # first: it ends after the queued saves, even if a wait below gives up
             self._await_staging()
             self._await_handles(left())
             self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
-                          "the background writer thread to stop", left())
+                          "the background writer thread to stop", max(left(), settled_floor))
             if self._drainer is not None:  # every drain has ended: every rank holds the same failures
                 self._drainer.resume_retention()  # a load paused it: the redone drains' retention runs
                 self._handles.extend(self._drainer.retry_failed())
                 self._await_handles(left())
+            settled = True
         finally:
-            self._release(left())
+            self._release(max(left(), settled_floor) if settled else left())
         self._surface_errors()
 
     def _release(self, drain_timeout_s: float | None = None) -> None:
@@ -982,7 +988,10 @@ class AsyncCheckpointer:
         """Why ``load(tag=...)`` with a local tier refuses ``tag`` if the URL holds it committed as a save the
         tiers' views leave out (consolidated, or universal for an engine that does not load those): the
         refusal a load without a local tier gives, rather than "committed in no tier"."""
-        manifest = read_manifest(self.storage, tag)
+        try:
+            manifest = read_manifest(self.storage, tag)
+        except (CorruptManifestError, UnsupportedManifestError):  # the tiers' views skip it; a node's copy may load
+            return None
         if manifest is None or not (manifest.consolidated or manifest.universal):
             return None
         try:
@@ -1030,6 +1039,7 @@ class AsyncCheckpointer:
             return
         relpath = os.path.relpath(path, self._session.base or self._shadow).replace(os.sep, "/")
         name = relpath.rsplit("/", 1)[-1]
+        slot_key = relpath.split("/", 1)[-1]  # the path in the tag: the same from save to save, one per file
         defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
         compact = isinstance(state_dict, CloneRequest)
         started = time.perf_counter()
@@ -1038,7 +1048,7 @@ class AsyncCheckpointer:
         # buffers are placed where O_DIRECT can write them from, which torch's own scratch-file save does not
         placed = self._session.storage.aligned_lending and not self.config.exact_bytes
         self._session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
-                                                                 slot_key=name, defer=defer, compact=compact,
+                                                                 slot_key=slot_key, defer=defer, compact=compact,
                                                                  offsets_of=record_offsets if placed else None))
         self._session.snapshot_s += time.perf_counter() - started
 

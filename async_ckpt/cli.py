@@ -97,7 +97,7 @@ def _verify(args: argparse.Namespace) -> int:
         _emit(args, {"url": storage.url, "tag": args.tag, "ok": False, "error": str(exc)},
               f"{'BAD' if corrupt else 'UNSUPPORTED'}  {exc}")
         return EXIT_FAILED if corrupt else EXIT_BAD_INPUT
-    checks = on_other_nodes(storage, manifest, verify_tag(storage, manifest))
+    checks = on_other_nodes(manifest, verify_tag(storage, manifest))
     bad = [c for c in checks if not c.ok and not c.elsewhere]
     elsewhere = [c for c in checks if c.elsewhere]
     lines = [(f"--   {c.path}  (another node's: not in this node folder)" if c.elsewhere else

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from typing import Callable, ContextManager, Iterator
 
 from async_ckpt.catalog import list_tags, read_latest, read_manifest
@@ -145,7 +146,8 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
         outcome = _await_outcome(job, 2 * timeout_s)  # rank 0 waits up to timeout_s for the others, then commits
         node_committed = True
         if outcome.committed and job.tier_leader and outcome.manifest:
-            node_manifest = Manifest.from_json(outcome.manifest).one_copy_each(job.node_ranks)
+            node_manifest = replace(Manifest.from_json(outcome.manifest).one_copy_each(job.node_ranks),
+                                    node_ranks=sorted(job.node_ranks))
             warnings = _commit_node_tier(job, node_manifest.to_json())
             node_committed = not warnings
             outcome.warnings.extend(warnings)
@@ -181,6 +183,8 @@ def commit(job: SaveJob, entries: list[FileEntry], timeout_s: float) -> Outcome:
     started = time.perf_counter()
     everything = _manifest(job, entries)  # every rank's copies: a tiered save publishes them all
     manifest = everything.one_copy_each()
+    if job.tiered:  # written into rank 0's node folder, which holds its node's files only
+        manifest = replace(manifest, node_ranks=sorted(job.node_ranks))
     try:
         job.storage.write_bytes(manifest_path(job.tag), manifest.to_json())
     except Exception as exc:

@@ -25,10 +25,11 @@ makes a save wait until the previous one is written; the callback also waits, be
 starts a new save, until every earlier save is *committed*, and at the last save until that one
 is. So Trainer never deletes or loads a checkpoint still being written or committed, and the
 folder it just saved is also the newest by mtime. A ``checkpoint-N`` whose save failed in the
-background (``on_error="warn"``) is then renamed ``failed-checkpoint-N`` by the process that writes
-Trainer's files: Trainer's rotation would otherwise count it among the ``save_total_limit`` newest and
-delete committed checkpoints in its place (after a few failures, every one), and
-``resume_from_checkpoint=True`` would pick it. The cost is the previous save's commit time
+background (``on_error="warn"``) is then renamed ``_failed-checkpoint-N`` by the process that writes
+Trainer's files, once every rank is done with it: Trainer's rotation would otherwise count it among the
+``save_total_limit`` newest and delete committed checkpoints in its place (after a few failures, every
+one), ``resume_from_checkpoint=True`` would pick it, and a hub upload would send it (Trainer's uploads
+leave out ``_*``). The cost is the previous save's commit time
 (markers and a manifest), paid only when saves come faster than storage absorbs them.
 ``save_total_limit=1`` is refused: Trainer would delete the last committed checkpoint as soon as
 the next save is snapshotted, and a crash before that one commits would leave nothing to resume.
@@ -54,17 +55,19 @@ rest of async_ckpt does not need.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
 from typing import Any, Callable, Mapping
 
 import deepspeed
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 
-from async_ckpt.catalog import holds_files, started_here
+from async_ckpt.catalog import started_here
 from async_ckpt.checkpointer import AsyncCheckpointer, wrap
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.errors import UsageError
@@ -168,10 +171,7 @@ class AsyncCheckpointCallback(TrainerCallback):
             return
         if checkpointer.engine.__dict__.get("save_checkpoint") == self._save_checkpoint:
             del checkpointer.engine.save_checkpoint
-        try:
-            checkpointer.close()
-        finally:
-            self._set_failed_aside(checkpointer)
+        checkpointer.close()
 
     def _before_trainer_saves(self, args: TrainingArguments, control: TrainerControl) -> None:
         """Commit every earlier save before Trainer saves again (and then rotates checkpoint folders)."""
@@ -180,15 +180,18 @@ class AsyncCheckpointCallback(TrainerCallback):
             self._wait_for_saves(self.checkpointer)
 
     def _wait_for_saves(self, checkpointer: AsyncCheckpointer) -> None:
-        try:
-            checkpointer.wait()
-        finally:  # with on_error="raise" too: a resume with resume_from_checkpoint=True must not pick the folder
-            self._set_failed_aside(checkpointer)
+        """Every earlier save settled on every rank (a collective: every rank's callbacks run at the same
+        steps), then the folders of those that failed set aside. Where ``wait()`` raises (``on_error="raise"``,
+        or a timeout) training stops with that error and the folder stays."""
+        checkpointer.wait()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # a rank whose save failed may still be removing its files from the folder until then
+        self._set_failed_aside(checkpointer)
 
     def _set_failed_aside(self, checkpointer: AsyncCheckpointer) -> None:
         """Rename the ``checkpoint-N`` folder of each save that failed since the last call to
-        ``failed-checkpoint-N`` (on the process that writes Trainer's files), out of reach of Trainer's
-        rotation and of ``resume_from_checkpoint=True``. Called once every earlier save has settled."""
+        ``_failed-checkpoint-N`` (on the process that writes Trainer's files), out of reach of Trainer's
+        rotation, of ``resume_from_checkpoint=True`` and of hub uploads."""
         failures = checkpointer.failures[self._failures_seen:]
         self._failures_seen += len(failures)
         if not self._trainer.args.should_save:
@@ -197,10 +200,10 @@ class AsyncCheckpointCallback(TrainerCallback):
             folder = self._folders.get(failure.tag)
             if folder is None or not _CHECKPOINT_RE.match(os.path.basename(folder)) or not os.path.isdir(folder):
                 continue
-            aside = os.path.join(os.path.dirname(folder), f"failed-{os.path.basename(folder)}")
+            aside = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}")
             n = 1
             while os.path.exists(aside):
-                aside, n = os.path.join(os.path.dirname(folder), f"failed-{os.path.basename(folder)}-{n}"), n + 1
+                aside, n = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}-{n}"), n + 1
             try:
                 os.rename(folder, aside)
             except OSError as exc:
@@ -287,10 +290,13 @@ def _saved_tag(folder: str) -> str | None:
     (stock DeepSpeed's, say by a run before this one, which may have died before its ``latest``)."""
     storage = open_storage(folder)
     for name in sorted(os.listdir(folder)):
-        if not os.path.isdir(os.path.join(folder, name)):
+        tag_dir = os.path.join(folder, name)
+        if name.startswith(".") or not os.path.isdir(tag_dir):
             continue
-        if os.path.isfile(os.path.join(folder, name, MANIFEST)):
+        if os.path.isfile(os.path.join(tag_dir, MANIFEST)):
             return name
-        if holds_files(storage, name) and not started_here(storage, name):
+        # a DeepSpeed tag folder's files, not another subfolder Trainer saves (a tokenizer's chat templates)
+        deepspeed_files = glob.glob(os.path.join(glob.escape(tag_dir), "*_states.pt"))
+        if deepspeed_files and not started_here(storage, name):
             return name
     return None

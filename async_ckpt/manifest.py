@@ -79,6 +79,9 @@ class Manifest:
     #: The whole model gathered to rank 0 (``save_consolidated``, ``save_16bit_model`` after wrap):
     #: for ``from_pretrained``/``torch.load``, never resumed by ``load()``, never moves ``latest``.
     consolidated: bool = False
+    #: In a local tier's node folder: the ranks whose files the folder holds (the manifest lists every
+    #: rank's, for a resumed drain to commit the whole tag). Empty where every listed file is here.
+    node_ranks: list[int] = field(default_factory=list)
     format: str = FORMAT
 
     @property
@@ -131,6 +134,11 @@ class Manifest:
                     raise ValueError(f"{key} is {data[key]!r}, not a {kind.__name__}")
             for key in ("step", "world_size", "zero_stage"):
                 _count(key, data[key])
+            node_ranks = data.get("node_ranks", [])
+            if not isinstance(node_ranks, list):
+                raise ValueError(f"node_ranks is {node_ranks!r}, not a list")
+            for rank in node_ranks:
+                _count("a rank of node_ranks", rank)
             created = data.get("created_unix", 0.0)
             if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < 1e11:
                 raise ValueError(f"created_unix is {created!r}, not a time")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from async_ckpt.layout import MARKS_LOCK
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.serialization import crc32_of_stream
 from async_ckpt.storage.base import Storage
@@ -73,17 +72,15 @@ def verify_tag(storage: Storage, manifest: Manifest, paths: list[str] | None = N
     return [check_stored_file(storage, manifest.tag, e) for e in manifest.files if wanted is None or e.path in wanted]
 
 
-def on_other_nodes(storage: Storage, manifest: Manifest, checks: list[FileCheck]) -> list[FileCheck]:
-    """``checks`` of a local tier's node folder with the files other nodes hold marked ``elsewhere``.
+def on_other_nodes(manifest: Manifest, checks: list[FileCheck]) -> list[FileCheck]:
+    """``checks`` with the files missing because another node holds them marked ``elsewhere``.
 
-    A node folder's manifest lists every rank's files (a resumed drain commits the whole tag at the URL
-    from it), but the folder holds only its own ranks' shards. Its ranks are those with a file there: a
-    missing file of a rank with none is another node's. (A rank whose every file this folder lost is
-    taken for another node's too.) Outside node folders, which hold a marks lock, ``checks`` as given."""
-    if not storage.exists(MARKS_LOCK):
+    A local tier's node folder lists every rank's files in its manifest (a resumed drain commits the
+    whole tag at the URL from it) but holds only its own ranks' (``manifest.node_ranks``): a missing file
+    of another rank is another node's, one of its own ranks' is a failure. A manifest without
+    ``node_ranks`` (at the URL, or a node folder an earlier version committed) holds every file it lists."""
+    if not manifest.node_ranks:
         return checks
     rank_of = {entry.path: entry.rank for entry in manifest.files}
-    present = {rank_of[c.path] for c in checks if c.problem != "missing"}
-    return [replace(c, elsewhere=True) if c.problem == "missing" and rank_of[c.path] not in present else c
-            for c in checks]
-
+    return [replace(c, elsewhere=True) if c.problem == "missing" and rank_of[c.path] not in manifest.node_ranks
+            else c for c in checks]

@@ -103,7 +103,8 @@ def test_a_manifest_whose_file_path_leaves_the_tag_folder_is_corrupt(path):
 @pytest.mark.parametrize("field,value", [("created_unix", "2"), ("created_unix", None), ("created_unix", float("nan")),
                                          ("created_unix", 1e20), ("step", "3"), ("step", True), ("world_size", -1),
                                          ("save_id", 5), ("sets_latest", "yes"), ("files", {}),
-                                         ("files", [{"path": "a.pt", "size": "1", "crc32": "0", "rank": 0}])])
+                                         ("files", [{"path": "a.pt", "size": "1", "crc32": "0", "rank": 0}]),
+                                         ("node_ranks", 0), ("node_ranks", ["0"])])
 def test_ls_lists_a_manifest_with_a_field_of_the_wrong_type_as_corrupt_instead_of_failing(capsys, tmp_path, field, value):
     for tag, step in (("good", 1), ("bad", 2)):
         manifest = Manifest(tag=tag, step=step, world_size=1, zero_stage=2, dtype="fp32", files=[],

@@ -114,8 +114,8 @@ def test_failed_saves_are_set_aside_so_trainers_rotation_keeps_the_committed_che
     """save_total_limit=2, saves at steps 2, 4 and 6, the last two failing in the background: Trainer's
     rotation would count the failed folders and delete checkpoint-2, the one committed checkpoint."""
     out = ranks.run(hf_tasks.train_with_failing_saves, str(tmp_path / "run"), 2)[0]
-    assert [f for f in out["folders"] if "checkpoint" in f] == ["checkpoint-2", "failed-checkpoint-4",
-                                                                 "failed-checkpoint-6"]
+    assert [f for f in out["folders"] if "checkpoint" in f] == ["_failed-checkpoint-4", "_failed-checkpoint-6",
+                                                                 "checkpoint-2"]
     assert out["newest_committed"] == str(tmp_path / "run" / "checkpoint-2")
 
 
@@ -216,6 +216,13 @@ def test_a_tag_folder_that_an_aborted_save_left_without_files_is_no_saved_checkp
     assert _saved_tag(str(tmp_path)) is None
     (tmp_path / "global_step9" / "mp_rank_00_model_states.pt").write_bytes(b"x")
     assert _saved_tag(str(tmp_path)) == "global_step9"
+
+
+def test_a_subfolder_trainer_saves_beside_the_tag_is_no_saved_checkpoint(tmp_path):
+    """A tokenizer's chat templates (additional_chat_templates/*.jinja) in a checkpoint a crash cut short."""
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ x }}")
+    assert _saved_tag(str(tmp_path)) is None
 
 
 def test_a_committed_tag_without_latest_or_a_stock_one_that_died_before_it_is_a_saved_checkpoint(tmp_path):

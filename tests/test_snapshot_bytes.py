@@ -110,14 +110,14 @@ def test_a_file_left_out_of_a_save_keeps_its_buffers():
     assert pool.allocated_bytes == 1500 * 4
 
 
-def test_two_files_of_one_save_under_one_name_keep_both_their_buffers():
-    """Files in two folders of one save share a file name (the slot key): neither frees the other's."""
+def test_two_files_of_one_save_keep_their_buffers_apart_and_neither_frees_the_others():
+    """The same tensor path in two files of one save (one file name in two folders of the tag)."""
     pool = StagingPool()
-    first = pool.snapshot({"a": torch.ones(1000)}, "x/m.pt", slot_key="m.pt", defer=False).obj
-    second = pool.snapshot({"b": torch.full((1000,), 2.0)}, "y/m.pt", slot_key="m.pt", defer=False).obj
+    first = pool.snapshot({"a": torch.ones(1000)}, "t/x/m.pt", slot_key="x/m.pt", defer=False).obj
+    second = pool.snapshot({"a": torch.full((1000,), 2.0)}, "t/y/m.pt", slot_key="y/m.pt", defer=False).obj
     pool.release_stale()
     assert pool.allocated_bytes == 2000 * 4
-    assert first["a"].eq(1).all() and second["b"].eq(2).all()
+    assert first["a"].eq(1).all() and second["a"].eq(2).all()
 
 
 def test_dict_keys_of_one_repr_get_buffers_of_their_own():

@@ -81,9 +81,18 @@ def test_verify_of_a_node_folder_checks_its_own_files_and_names_the_other_nodes(
     files = json.loads(capsys.readouterr().out)["files"]
     assert {f["path"] for f in files if f["elsewhere"]} == {"zero_pp_rank_1_mp_rank_00_optim_states.pt"}
     assert all(f["ok"] for f in files if not f["elsewhere"])
-    (node / "c" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()  # one of its own: a failure
+    for path in (node / "c").iterdir():  # every file of its own rank gone: failures, not another node's
+        if path.is_file() and path.name != MANIFEST:
+            path.unlink()
     assert cli_main(["verify", str(node), "--tag", "c"]) == 1
-    assert "BAD  zero_pp_rank_0_mp_rank_00_optim_states.pt  (missing)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "BAD  zero_pp_rank_0_mp_rank_00_optim_states.pt  (missing)" in out
+    assert "BAD  mp_rank_00_model_states.pt  (missing)" in out
+
+
+def test_a_node_folders_manifest_names_its_ranks_and_the_urls_none(run):
+    assert read_manifest(open_storage(str(run["work"] / "node0")), "c").node_ranks == [0]
+    assert read_manifest(_durable(run), "c").node_ranks == []
 
 
 def test_every_tag_is_committed_in_the_bucket_with_latest_on_the_newest(run):
