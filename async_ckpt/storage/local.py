@@ -299,7 +299,12 @@ class DirectWriter:
         if self._filled:
             padded = -(-self._filled // self._align) * self._align
             self._views[self._current][self._filled:padded] = bytes(padded - self._filled)
-            self._flush_buffer(padded)
+            if self._start == 0 and not self._writes:
+                # the whole file is in this one buffer (a start mark, a manifest, a model-states file): written
+                # here, as an I/O thread would only have to start and be scheduled on cores training keeps busy
+                _write_all(self._fd, self._views[self._current][:padded], 0)
+            else:
+                self._flush_buffer(padded)
         for future in self._writes:
             future.result()
         self._writes.clear()
