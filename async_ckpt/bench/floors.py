@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import statistics
 import threading
 import time
 import uuid
@@ -40,29 +41,41 @@ def copy_floor_s(nbytes: int, device: torch.device | str = "cpu", repeats: int =
 #: How the floor writes: buffered with one writer, ``O_DIRECT`` with one and with two requests in
 #: flight (async_ckpt's own writer keeps two in flight: with one, a disk that queues requests looks
 #: slower than it is, and a writer could persist "above the floor").
-WAYS = ((False, 1), (True, 1), (True, 2))
+WAYS = {"buffered": (False, 1), "direct": (True, 1), "direct x2": (True, 2)}
 
 
-def local_write_floor_s(nbytes: int, folder: str) -> float:
-    """Large sequential writes of ``nbytes`` plus fsync, every rank at once (as during a save).
+def local_write_floor(nbytes: int, folder: str, samples: int = 1, train_step: Callable[[], None] | None = None,
+                      device: torch.device | str = "cpu") -> dict[str, list[float]]:
+    """Large sequential writes of ``nbytes`` plus fsync, every rank at once (as during a save): each way
+    of :data:`WAYS`, ``samples`` times, the ways taking turns; seconds by way.
 
-    The fastest of :data:`WAYS`: the floor is the best this disk does.
+    Why several samples: a write's time on a shared virtual disk varies by ±20 % from one to the next, so a
+    single sample (the best of the ways') is a lucky draw that the median save, itself noisy, is held to.
+    :func:`typical_and_best` turns the samples into the floor.
+
+    With ``train_step`` (and ``device``, where the process group's tensors live), each write runs on a
+    thread of each rank while its training thread keeps stepping. Why: a background save writes while
+    training keeps the cores busy, and on a virtual machine even an ``O_DIRECT`` write needs CPU to submit
+    and complete each request, so the disk writes slower then than on an idle machine. Persist against
+    this floor is what the writer itself costs; the rest of the gap to the idle floor is the disk's own
+    loss under a busy CPU, which no writer avoids.
     """
-    return min(_timed_write_s(nbytes, folder, direct=direct, streams=streams) for direct, streams in WAYS)
+    if samples < 1:
+        raise ValueError(f"samples must be at least 1, got {samples}")
+    training = None if train_step is None else (train_step, torch.device(device))
+    seconds: dict[str, list[float]] = {way: [] for way in WAYS}
+    for _ in range(samples):
+        for way, (direct, streams) in WAYS.items():
+            seconds[way].append(_timed_write_s(nbytes, folder, direct=direct, streams=streams, training=training))
+    return seconds
 
 
-def local_write_floor_while_training_s(nbytes: int, folder: str, train_step: Callable[[], None],
-                                       device: torch.device | str = "cpu") -> float:
-    """The same floor, written on a thread of each rank while its training thread keeps stepping.
-
-    Why: a background save writes while training keeps the cores busy, and on a virtual machine even
-    an ``O_DIRECT`` write needs CPU to submit and complete each request, so the disk writes slower
-    then than on an idle machine. Persist against this floor is what the writer itself costs; the rest
-    of the gap to the idle floor is the disk's own loss under a busy CPU, which no writer avoids.
-    """
-    training = (train_step, torch.device(device))
-    return min(_timed_write_s(nbytes, folder, direct=direct, streams=streams, training=training)
-               for direct, streams in WAYS)
+def typical_and_best(seconds: dict[str, list[float]]) -> tuple[float, float]:
+    """The floor from :func:`local_write_floor`'s samples: the median of the way whose median is lowest
+    (what this disk typically does at best, the statistic a save's median time to durable is held to), and
+    the fastest sample of all (the luckiest draw)."""
+    typical = min(statistics.median(times) for times in seconds.values())
+    return typical, min(min(times) for times in seconds.values())
 
 
 def _timed_write_s(nbytes: int, folder: str, *, direct: bool, streams: int = 1,

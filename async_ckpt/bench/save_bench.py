@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from async_ckpt.arguments import COUNT, SECONDS
 from async_ckpt.errors import UsageError
@@ -62,10 +62,14 @@ class BenchConfig:
     writeback_cap_s: float = DRAIN_CAP_S
     # how many times the methods take turns, each time with `saves` saves (results gather every round's)
     rounds: int = 1
+    # each way of writing the disk's floor is timed this many times (floors.local_write_floor): the floor is
+    # the median of the best way, as the saves' time to durable is a median
+    floor_samples: int = 5
 
     @classmethod
     def quick(cls, **overrides: Any) -> "BenchConfig":
-        return cls(**{"size": "tiny", "saves": 2, "steps_between": 2, "writeback_cap_s": 5.0, **overrides})
+        return cls(**{"size": "tiny", "saves": 2, "steps_between": 2, "writeback_cap_s": 5.0, "floor_samples": 1,
+                      **overrides})
 
 
 def _quiet() -> None:
@@ -208,12 +212,16 @@ def bench_rank(cfg: dict, target: dict) -> dict:
     dist.all_reduce(stock, op=dist.ReduceOp.MAX)
     nbytes = ours or int(stock.item()) // dist.get_world_size() or 64 * 1024 * 1024
     floor_dir = os.path.join(target["local_dir"], "floor")
-    floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes, engine.device),
-             "local_write_s": floors.local_write_floor_s(nbytes, floor_dir)}
+    floor = {"bytes": nbytes, "copy_s": floors.copy_floor_s(nbytes, engine.device)}
+    idle_and_busy: list[tuple[str, Callable[[], None] | None]] = [("", None)]
     if target["kind"] == "local":
-        floor["local_write_while_training_s"] = floors.local_write_floor_while_training_s(
-            nbytes, floor_dir, lambda: workload.train(engine, 1, tokens, rank), engine.device)
-    elif target["kind"] == "s3":
+        idle_and_busy.append(("_while_training", lambda: workload.train(engine, 1, tokens, rank)))
+    for suffix, train_step in idle_and_busy:
+        samples = floors.local_write_floor(nbytes, floor_dir, cfg["floor_samples"], train_step, engine.device)
+        typical, best = floors.typical_and_best(samples)
+        floor.update({f"local_write{suffix}_s": typical, f"local_write{suffix}_best_s": best,
+                      f"local_write{suffix}_samples": samples})
+    if target["kind"] == "s3":
         floor["s3_upload_s"] = floors.s3_upload_floor_s(nbytes, target["url"], target["storage_options"])
     return {"rank": rank, "methods": results, "floor": floor, "steps": steps, "peak_rss": peak_rss,
             "micro_batch": engine.train_micro_batch_size_per_gpu(), "threads": torch.get_num_threads()}
@@ -340,6 +348,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=COUNT, default=1,
                         help="how many times the methods take turns (each with --saves saves), so that the run's "
                              "drift in step time falls on every method alike")
+    parser.add_argument("--floor-samples", type=COUNT, default=None,
+                        help="times each way of writing the disk's floor is timed; the floor is the best way's median, "
+                             "as a save's time to durable is a median (default 5, 1 with --quick)")
     parser.add_argument("--writeback-cap-s", type=SECONDS, default=None,
                         help=f"after each method's last save, train on at most this long until the kernel has written "
                              f"its page-cache bytes back (default {DRAIN_CAP_S:g}, 5 with --quick)")
@@ -366,7 +377,8 @@ def _default_ranks(device: str) -> int:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     base = BenchConfig.quick() if args.quick else BenchConfig()
     overrides = {k: v for k, v in {"size": args.size, "saves": args.saves, "steps_between": args.steps_between,
-                                   "writeback_cap_s": args.writeback_cap_s}.items() if v is not None}
+                                   "writeback_cap_s": args.writeback_cap_s,
+                                   "floor_samples": args.floor_samples}.items() if v is not None}
     return BenchConfig(**{**asdict(base), **overrides, "stage": args.stage, "dtype": args.dtype, "device": args.device,
                           "ranks": args.ranks if args.ranks is not None else _default_ranks(args.device),
                           "target": "s3" if args.url and args.target != "tiered" else args.target,
