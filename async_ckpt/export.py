@@ -9,6 +9,7 @@ tokenizer and model config that the commit stored in the tag folder.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -55,7 +57,9 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
     written under a ``.partial-`` folder inside ``out_dir`` (a mount point or a symlink may be given:
     nothing is renamed onto it) and take their place only once all are complete, the shard index last:
     an export that fails leaves no shards without their index in ``out_dir``, nor does one killed before
-    those renames (a kill among them, a matter of milliseconds, can).
+    those renames (a kill among them, a matter of milliseconds, can). A second export into the same
+    folder while one runs is refused (the first holds a lock on its ``.partial-`` folder from the start);
+    one that finds a killed export's ``.partial-`` folder removes it.
     """
     if manifest.consolidated:
         raise UsageError(f"tag {manifest.tag!r} is a consolidated save: it already is a Hugging Face folder (or "
@@ -73,29 +77,28 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
         raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"--out {out_dir} is a file; export into a new or empty folder")
-    if os.path.isdir(out_dir):
-        for name in os.listdir(out_dir):
-            if name.startswith(_PARTIAL):  # what an export killed there left
-                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    created = not os.path.isdir(out_dir)
+    if not created:
+        _clear_killed_exports(out_dir)
         if os.listdir(out_dir):
             raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with tempfile.TemporaryDirectory(prefix="async_ckpt_export_") as scratch:
-        root = local_view(storage, manifest, scratch, show_progress=show_progress)
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress prints; stdout is for --json
-            try:
-                state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
-            except NotImplementedError as exc:  # DeepSpeed's refusal of a layout (AutoEP under ZeRO-3)
-                raise ConversionError(f"DeepSpeed's zero_to_fp32 cannot consolidate tag {manifest.tag!r}: {exc}") from exc
-        report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
-        tensors, report.tied_aliases = without_aliases(state)
-        created = not os.path.isdir(out_dir)
-        os.makedirs(out_dir, exist_ok=True)
-        partial = os.path.join(out_dir, f"{_PARTIAL}{uuid.uuid4().hex[:8]}")
-        os.mkdir(partial)
-        moved: list[str] = []
-        try:
+    os.makedirs(out_dir, exist_ok=True)
+    partial = os.path.join(out_dir, f"{_PARTIAL}{uuid.uuid4().hex[:8]}")
+    os.mkdir(partial)
+    moved: list[str] = []
+    try:
+        with _held(partial), tempfile.TemporaryDirectory(prefix="async_ckpt_export_") as scratch:
+            root = local_view(storage, manifest, scratch, show_progress=show_progress)
+            with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress prints; stdout is for --json
+                try:
+                    state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
+                except NotImplementedError as exc:  # DeepSpeed's refusal of a layout (AutoEP under ZeRO-3)
+                    raise ConversionError(f"DeepSpeed's zero_to_fp32 cannot consolidate tag {manifest.tag!r}: "
+                                          f"{exc}") from exc
+            report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
+            tensors, report.tied_aliases = without_aliases(state)
             _write_shards(cast(tensors, dtype), partial, safetensors, max_shard_bytes, report)
             tag_dir = os.path.join(root, manifest.tag)
             for entry in manifest.files:
@@ -105,23 +108,74 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
                 report.extra_files.append(entry.path)
             if "config.json" in report.extra_files:
                 set_config_dtype(os.path.join(partial, "config.json"), DTYPES[dtype])
+            others = sorted(set(os.listdir(out_dir)) - {os.path.basename(partial)})
+            if others:
+                raise UsageError(f"--out {out_dir} got {', '.join(others[:3])}{' ...' if len(others) > 3 else ''} "
+                                 "while this export ran (another export into the same folder?); nothing of this "
+                                 "export was moved there: export into a new or empty folder")
             for name in sorted(os.listdir(partial), key=lambda n: n in (SAFETENSORS_INDEX, TORCH_INDEX)):
                 os.replace(os.path.join(partial, name), os.path.join(out_dir, name))  # the shard index last
                 moved.append(name)
             os.rmdir(partial)
-        except BaseException:
-            for name in moved:  # a failure among the renames: no shard stays without its index
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(out_dir, name))
-            shutil.rmtree(partial, ignore_errors=True)
-            if created:
-                with contextlib.suppress(OSError):
-                    os.rmdir(out_dir)
-            raise
+    except BaseException:
+        for name in moved:  # a failure among the renames: no shard stays without its index
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(out_dir, name))
+        shutil.rmtree(partial, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)
+        raise
     logger.info("exported %s to %s: %d tensors, %.3f GB %s in %d shard(s), tied aliases %s, with %s",
                 manifest.tag, out_dir, report.tensors, report.total_bytes / 1e9, dtype, len(report.shards),
                 report.tied_aliases or "none", report.extra_files or "no tokenizer/config")
     return report
+
+
+def _clear_killed_exports(out_dir: str) -> None:
+    """Remove the staging folders that exports killed in ``out_dir`` left; refuse (``UsageError``) where an
+    export still running holds one (:func:`_held`), whose files would otherwise be deleted under it."""
+    for name in os.listdir(out_dir):
+        if not name.startswith(_PARTIAL):
+            continue
+        path = os.path.join(out_dir, name)
+        if _in_use(path):
+            raise UsageError(f"another export is writing into --out {out_dir} (its staging folder {name}); wait for "
+                             "it to finish, or export into another folder")
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _held(folder: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` for the block: the mark of a running export. Where the
+    filesystem refuses locks (some network filesystems) the block runs without one, and another export
+    there takes the folder for a killed one's."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            logger.debug("no lock on %s (%s)", folder, exc)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _in_use(folder: str) -> bool:
+    """Whether a running export holds ``folder`` (:func:`_held`)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks on this filesystem
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def cast(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:

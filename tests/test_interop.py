@@ -431,6 +431,36 @@ def test_export_into_a_folder_a_killed_export_left_its_partial_folder_in_goes_ah
     assert code == 0 and not leftover.exists() and (tmp_path / "out" / "model.safetensors.index.json").exists()
 
 
+def test_export_into_a_folder_another_export_is_still_writing_in_is_refused_and_leaves_its_files(
+        zero3, capsys, tmp_path):
+    from async_ckpt import export
+
+    running = tmp_path / "out" / ".async_ckpt-export.partial-0badf00d"
+    running.mkdir(parents=True)
+    (running / "model-00001-of-00002.safetensors").write_bytes(b"being written")
+    with export._held(str(running)):
+        code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path / "out"))
+    assert code == 2 and "another export is writing into" in err
+    assert os.listdir(tmp_path / "out") == [running.name] and os.listdir(running) == ["model-00001-of-00002.safetensors"]
+
+
+def test_an_export_whose_folder_got_other_files_meanwhile_moves_none_of_its_own_there(zero3, capsys, tmp_path,
+                                                                                      monkeypatch):
+    from async_ckpt import export
+
+    write_shards = export._write_shards
+
+    def another_writer_meanwhile(*args, **kwargs):
+        (tmp_path / "out" / "model.safetensors.index.json").write_text("{}")  # another export's, say
+        write_shards(*args, **kwargs)
+
+    monkeypatch.setattr(export, "_write_shards", another_writer_meanwhile)
+    code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--out", str(tmp_path / "out"))
+    assert code == 2 and "while this export ran" in err
+    assert os.listdir(tmp_path / "out") == ["model.safetensors.index.json"]
+    assert (tmp_path / "out" / "model.safetensors.index.json").read_text() == "{}"
+
+
 def test_export_of_a_missing_tag_is_a_clear_error(zero3, capsys, tmp_path):
     code, _, err = run_cli(capsys, "export", str(zero3["local"]), "--tag", "nope", "--out", str(tmp_path / "hf"))
     assert code == 2 and "'nope' not found" in err and not (tmp_path / "hf").exists()
