@@ -34,11 +34,15 @@ class MissingFileError(StorageError, FileNotFoundError):
 
 
 class SaveFailedError(AsyncCkptError):
-    """A background save did not reach a commit. The previous checkpoint is intact."""
+    """A background save did not reach a commit. The previous checkpoint is intact.
 
-    def __init__(self, message: str, *, tag: str | None = None) -> None:
+    ``tag`` is the save's tag and ``url`` the root it was written to (a local folder's absolute path), where
+    known: a tag alone does not say which save failed when two roots got one of the same name."""
+
+    def __init__(self, message: str, *, tag: str | None = None, url: str | None = None) -> None:
         super().__init__(message)
         self.tag = tag
+        self.url = url
 
 
 class ZipLayoutError(AsyncCkptError):

@@ -120,7 +120,6 @@ class AsyncCheckpointCallback(TrainerCallback):
         self.checkpointer: AsyncCheckpointer | None = None
         self._async_save: Callable[..., bool] | None = None  # the engine's save_checkpoint as wrap() left it
         self._last_saved: tuple[str, str, int] | None = None
-        self._folders: dict[str, str] = {}  # tag -> the checkpoint folder it was saved into
         self._failures_seen = 0
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -141,7 +140,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         self._async_save = engine.save_checkpoint
         engine.save_checkpoint = self._save_checkpoint
         self._last_saved = None
-        self._folders, self._failures_seen = {}, 0
+        self._failures_seen = 0
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -197,7 +196,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         if not self._trainer.args.should_save:
             return
         for failure in failures:
-            folder = self._folders.get(failure.tag)
+            folder = None if failure.url is None else os.path.abspath(failure.url)  # the root the save went to
             if folder is None or not _CHECKPOINT_RE.match(os.path.basename(folder)) or not os.path.isdir(folder):
                 continue
             aside = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}")
@@ -225,7 +224,6 @@ class AsyncCheckpointCallback(TrainerCallback):
         if key == self._last_saved:
             logger.debug("%s/%s is already being saved at this step; not saving it twice", key[0], key[1])
             return True
-        self._folders[key[1]] = key[0]
         self._async_save(save_dir, tag, client_state, save_latest=save_latest,
                          exclude_frozen_parameters=exclude_frozen_parameters)
         self._last_saved = key

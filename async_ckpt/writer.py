@@ -131,7 +131,7 @@ class BackgroundWriter:
         error = SaveFailedError(f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} in the "
                                 f"writer thread's bookkeeping after the write: {type(exc).__name__}: {exc}. "
                                 "`latest` is unchanged unless the tag committed; `async-ckpt ls` shows which",
-                                tag=job.tag)
+                                tag=job.tag, url=job.storage.url)
         error.__cause__ = exc
         logger.error("%s", error, exc_info=exc)
         try:
@@ -197,7 +197,7 @@ class BackgroundWriter:
             job.release_buffers()
             what = (f"save of tag {job.tag!r} to {job.storage.url} failed on rank {job.rank} during {current}: "
                     f"{type(exc).__name__}: {exc}")
-            error = SaveFailedError(f"{what}. {_what_stays(job)}", tag=job.tag)
+            error = SaveFailedError(f"{what}. {_what_stays(job)}", tag=job.tag, url=job.storage.url)
             error.__cause__ = exc
             try:
                 commit.report_failure(job, what)  # each other rank adds _what_stays itself
@@ -213,8 +213,8 @@ class BackgroundWriter:
                                      f"rank {job.rank} ({brief(exc)}); this rank's files stay for `async-ckpt gc`")
         self._acknowledge(job)
         if not outcome.committed:
-            self._fail(job, SaveFailedError(f"{outcome.error}. {_what_stays(job)}",
-                                            tag=job.tag), written, cleanup=outcome.cleanup)
+            self._fail(job, SaveFailedError(f"{outcome.error}. {_what_stays(job)}", tag=job.tag,
+                                            url=job.storage.url), written, cleanup=outcome.cleanup)
             return
         handed_over = job.tiered and self._on_local_commit is not None
         metrics["local_committed_s" if handed_over else "durable_s"] = time.perf_counter() - job.started

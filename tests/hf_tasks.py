@@ -162,9 +162,23 @@ def train_interrupted(output_dir: str, stage: int) -> dict:
             "engine_restored": "save_checkpoint" not in trainer.model_wrapped.__dict__}
 
 
-def train_with_failing_saves(output_dir: str, stage: int) -> dict:
-    """Saves at steps 2, 4 and 6 with save_total_limit=2 and on_error="warn"; only the first commits."""
+class _SavedAgainInto(TrainerCallback):
+    """After each of Trainer's saves, the engine saved again into another folder, under the same tag (as
+    Trainer's own ``save_model`` does under ZeRO-3 without a 16-bit gather)."""
+
+    def __init__(self, trainer: Trainer, folder: str) -> None:
+        self._trainer, self._folder = trainer, folder
+
+    def on_save(self, args, state, control, **kwargs):
+        self._trainer.model_wrapped.save_checkpoint(self._folder)
+
+
+def train_with_failing_saves(output_dir: str, stage: int, *, also_into: str | None = None) -> dict:
+    """Saves at steps 2, 4 and 6 with save_total_limit=2 and on_error="warn"; only the first commits.
+    With ``also_into``, each save is followed by one of the same tag into that folder."""
     trainer = _trainer(output_dir, stage, seed=0)
+    if also_into is not None:
+        trainer.add_callback(_SavedAgainInto(trainer, also_into))
     hf_trainer.enable(trainer, on_error="warn")
     with _commits_failing_after(1):
         trainer.train()

@@ -119,6 +119,13 @@ def test_failed_saves_are_set_aside_so_trainers_rotation_keeps_the_committed_che
     assert out["newest_committed"] == str(tmp_path / "run" / "checkpoint-2")
 
 
+def test_a_failed_save_is_set_aside_even_when_its_tag_was_saved_into_another_folder_too(ranks, tmp_path):
+    out = ranks.run(hf_tasks.train_with_failing_saves, str(tmp_path / "run"), 2,
+                    also_into=str(tmp_path / "copies"))[0]
+    assert [f for f in out["folders"] if "checkpoint" in f] == ["_failed-checkpoint-4", "_failed-checkpoint-6",
+                                                                 "checkpoint-2"]
+
+
 def test_a_new_run_refuses_to_start_below_committed_checkpoints(runs, ranks):
     errors = ranks.run(hf_tasks.start_over, runs["out"], runs["stage"])
     assert all(e is not None and f"checkpoint-{hf_tasks.MAX_STEPS}" in e for e in errors)
