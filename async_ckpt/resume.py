@@ -12,14 +12,17 @@ import hashlib
 import logging
 import os
 import re
+import shutil
+import time
 
-from async_ckpt.catalog import inspect_latest, list_tags, read_manifest, refuse_unsupported_latest
+from async_ckpt.catalog import inspect_latest, list_tags, newest_mtime, read_manifest, refuse_unsupported_latest
 from async_ckpt.errors import CheckpointNotFoundError, InvalidTagError, NotCommittedError, VerificationError
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.pull import PullReport, download, files_of_another_save
 from async_ckpt.verify import check_stored_file
 from async_ckpt.storage.base import Storage
+from async_ckpt.storage.local import LocalStorage
 
 logger = logging.getLogger("async_ckpt")
 
@@ -164,7 +167,32 @@ def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, ca
                       max_concurrency=max_concurrency, resumable=False)
     with open(os.path.join(root, LATEST), "w") as fh:
         fh.write(manifest.tag)
+    prune_cache(root)
     logger.info("data-parallel rank %s fetched %d file(s), %.3f GB of tag %s (%d already cached) in %.2f s",
                 "(every shard)" if dp_rank is None else dp_rank, report.files_fetched, report.bytes_fetched / 1e9,
                 manifest.tag, report.files_skipped, report.seconds)
     return root, report
+
+
+#: How long a save cached for a URL stays after anything in it last changed, whatever loads of other saves
+#: of that URL do: longer than any fetch and DeepSpeed load of it that another job or rank may be running.
+CACHE_GRACE_S = 3600.0
+
+
+def prune_cache(loaded: str, grace_s: float = CACHE_GRACE_S) -> list[str]:
+    """Remove the saves cached for the URL of ``loaded`` (a folder :func:`cache_root` made) other than it,
+    once nothing in them changed for ``grace_s``; return the folders removed.
+
+    Why: each resume from object storage fetches the save it loads into a folder of its own, so without
+    this the cache grows by this rank's share of a checkpoint at every restart until the disk is full."""
+    parent, cutoff, removed = os.path.dirname(loaded), time.time() - grace_s, []
+    folder = LocalStorage(parent)
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if name == os.path.basename(loaded) or not os.path.isdir(path) or newest_mtime(folder, name) >= cutoff:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed %d earlier save(s) of this URL from the resume cache %s", len(removed), parent)
+    return removed

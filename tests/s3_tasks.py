@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import asdict
 
 import torch.distributed as dist
@@ -140,7 +141,8 @@ def save_with_credentials_in_options(endpoint: str, bucket: str, key: str, secre
 def resume_after_losses_in_the_bucket(url: str, options: dict, cache_dir: str) -> dict:
     """Tags 'older' and 'newer' in the bucket, then rank 1's optimizer shard of 'newer' is deleted: a load of
     'newer' is refused naming it, a load with fallback takes 'older'. Then 'older' is saved again
-    (overwrite_tags): its next load fetches into a cache folder of its own save, apart from the first's."""
+    (overwrite_tags): its next load fetches into a cache folder of its own save, apart from the first's, which
+    stays while recent; made two hours old, the next load removes it."""
     rank = dist.get_rank()
     engine = workload.make_engine(2, "fp32")
     out: dict = {}
@@ -157,6 +159,17 @@ def resume_after_losses_in_the_bucket(url: str, options: dict, cache_dir: str) -
         ckpt.save(tag="older").result(timeout=120)
         out["resaved"] = ckpt.load(tag="older")[0]
         out["second_fetch"] = ckpt.last_fetch.dest
+        first_save = os.path.dirname(out["first_fetch"])
+        out["first_kept_while_recent"] = os.path.isdir(first_save)
+        dist.barrier()
+        if rank == 0:  # the ranks share the cache
+            hours_ago = time.time() - 7200
+            for folder, _, names in os.walk(first_save):
+                for path in [folder] + [os.path.join(folder, n) for n in names]:
+                    os.utime(path, (hours_ago, hours_ago))
+        dist.barrier()
+        ckpt.load(tag="older")
+        out["first_after_it_was_old"] = os.path.isdir(first_save)
     return out
 
 

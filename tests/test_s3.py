@@ -183,6 +183,12 @@ def test_a_tag_saved_again_is_fetched_into_a_cache_folder_of_its_own_save(losses
         assert os.path.dirname(rank["second_fetch"]) != os.path.dirname(rank["first_fetch"])
 
 
+def test_a_resume_removes_the_other_saves_cached_for_its_url_once_untouched_for_an_hour(losses):
+    for rank in losses:
+        assert rank["first_kept_while_recent"] is True  # another job or rank may still be loading it
+        assert rank["first_after_it_was_old"] is False
+
+
 def test_under_elastic_checkpoint_each_rank_fetches_every_optimizer_shard_and_loads_as_stock_does(
         s3, ranks, tmp_path_factory):
     # DeepSpeed 0.19's own load of an elastic ZeRO-2 checkpoint with torch's Adam fails (its step count is
