@@ -356,6 +356,12 @@ def test_a_tiered_load_of_a_named_consolidated_tag_is_refused_as_without_tiers(r
         assert kind == "UsageError" and "is a consolidated save" in message
 
 
+def test_a_tiered_load_of_a_named_tag_whose_url_manifest_is_corrupt_reads_the_node_folders_copy(ranks, tmp_path):
+    for rank in ranks.run(tier_tasks.load_of_a_tag_whose_url_manifest_is_corrupt, str(tmp_path / "durable"),
+                          str(tmp_path)):
+        assert rank["load"] is None
+
+
 def test_the_tiers_view_skips_a_tag_whose_manifest_is_corrupt_with_a_warning_naming_it(tmp_path, caplog):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / MANIFEST).write_text("{not json")

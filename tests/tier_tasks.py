@@ -246,6 +246,20 @@ def load_of_a_consolidated_tag_in_tiers(durable: str, work: str) -> dict:
         return {"load": _outcome(lambda: ckpt.load(tag=tag))}
 
 
+def load_of_a_tag_whose_url_manifest_is_corrupt(durable: str, work: str) -> dict:
+    """A save drained to the URL, whose manifest there is then garbled: load(tag=...) with a local tier,
+    whose node folders still hold the tag committed."""
+    engine = workload.make_engine(STAGE, "fp32", seed=11)
+    with async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank())) as ckpt:
+        ckpt.save(tag="t").result(timeout=120)
+        dist.barrier()
+        if _rank() == 0:
+            with open(os.path.join(durable, "t", MANIFEST), "w") as fh:
+                fh.write("{not json")
+        dist.barrier()
+        return {"load": _outcome(lambda: ckpt.load(tag="t"))}
+
+
 def close_while_a_drain_is_held(durable: str, gate: str, work: str, wait_timeout_s: float) -> dict:
     """A save committed on the local tier whose drain to the URL is held: close() gives up, and how long it took."""
     from faulty_fs import register
