@@ -33,6 +33,7 @@ logger = logging.getLogger("async_ckpt")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PARTIAL = ".async_ckpt-export.partial-"  # the folder inside --out an export is staged in
+_LOCK = ".lock"  # in that folder: held while the export runs
 
 
 @dataclass
@@ -77,19 +78,17 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
         raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"--out {out_dir} is a file; export into a new or empty folder")
-    created = not os.path.isdir(out_dir)
-    if not created:
-        _clear_killed_exports(out_dir)
-        if os.listdir(out_dir):
-            raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    os.makedirs(out_dir, exist_ok=True)
+    created = not os.path.isdir(out_dir)
     partial = os.path.join(out_dir, f"{_PARTIAL}{uuid.uuid4().hex[:8]}")
-    os.mkdir(partial)
     moved: list[str] = []
     try:
+        os.makedirs(partial)
         with _held(partial), tempfile.TemporaryDirectory(prefix="async_ckpt_export_") as scratch:
+            _clear_killed_exports(out_dir, partial)
+            if _others(out_dir, partial):
+                raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
             root = local_view(storage, manifest, scratch, show_progress=show_progress)
             with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress prints; stdout is for --json
                 try:
@@ -108,15 +107,15 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
                 report.extra_files.append(entry.path)
             if "config.json" in report.extra_files:
                 set_config_dtype(os.path.join(partial, "config.json"), DTYPES[dtype])
-            others = sorted(set(os.listdir(out_dir)) - {os.path.basename(partial)})
+            others = _others(out_dir, partial)
             if others:
                 raise UsageError(f"--out {out_dir} got {', '.join(others[:3])}{' ...' if len(others) > 3 else ''} "
                                  "while this export ran (another export into the same folder?); nothing of this "
                                  "export was moved there: export into a new or empty folder")
-            for name in sorted(os.listdir(partial), key=lambda n: n in (SAFETENSORS_INDEX, TORCH_INDEX)):
+            written = sorted(set(os.listdir(partial)) - {_LOCK}, key=lambda n: n in (SAFETENSORS_INDEX, TORCH_INDEX))
+            for name in written:
                 os.replace(os.path.join(partial, name), os.path.join(out_dir, name))  # the shard index last
                 moved.append(name)
-            os.rmdir(partial)
     except BaseException:
         for name in moved:  # a failure among the renames: no shard stays without its index
             with contextlib.suppress(OSError):
@@ -126,56 +125,70 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
             with contextlib.suppress(OSError):
                 os.rmdir(out_dir)
         raise
+    shutil.rmtree(partial, ignore_errors=True)  # its lock file, released: the export is complete
     logger.info("exported %s to %s: %d tensors, %.3f GB %s in %d shard(s), tied aliases %s, with %s",
                 manifest.tag, out_dir, report.tensors, report.total_bytes / 1e9, dtype, len(report.shards),
                 report.tied_aliases or "none", report.extra_files or "no tokenizer/config")
     return report
 
 
-def _clear_killed_exports(out_dir: str) -> None:
-    """Remove the staging folders that exports killed in ``out_dir`` left; refuse (``UsageError``) where an
-    export still running holds one (:func:`_held`), whose files would otherwise be deleted under it."""
+def _others(out_dir: str, partial: str) -> list[str]:
+    """What ``out_dir`` holds besides this export's staging folder ``partial``."""
+    return sorted(set(os.listdir(out_dir)) - {os.path.basename(partial)})
+
+
+def _clear_killed_exports(out_dir: str, partial: str) -> None:
+    """Remove the staging folders that exports killed in ``out_dir`` left (not this export's, ``partial``);
+    refuse (``UsageError``) where a running export holds one (:func:`_held`): removing it would delete that
+    export's files under it. Two exports started together into one folder both refuse."""
     for name in os.listdir(out_dir):
-        if not name.startswith(_PARTIAL):
-            continue
         path = os.path.join(out_dir, name)
-        if _in_use(path):
+        if name.startswith(_PARTIAL) and path != partial and not _removed_unless_held(path):
             raise UsageError(f"another export is writing into --out {out_dir} (its staging folder {name}); wait for "
                              "it to finish, or export into another folder")
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _held(folder: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``folder`` for the block: the mark of a running export. Where the
-    filesystem refuses locks (some network filesystems) the block runs without one, and another export
-    there takes the folder for a killed one's."""
-    fd = os.open(folder, os.O_RDONLY)
+def _held(partial: str) -> Iterator[None]:
+    """Hold the lock file in this export's staging folder ``partial`` for the block: the mark of a running
+    export (an exclusive ``flock`` on a file open for writing, which NFS's emulation with POSIX locks takes
+    too). Where the filesystem refuses locks the block runs without one, and another export there takes
+    the folder for a killed one's. Raises if another export removed the folder first, taking it for a
+    killed one's in the moment before this lock."""
+    fd = os.open(os.path.join(partial, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # another export's check holds it for a moment at most
         except OSError as exc:
-            logger.debug("no lock on %s (%s)", folder, exc)
+            logger.debug("no lock on %s (%s)", partial, exc)
+        if os.fstat(fd).st_nlink == 0:
+            raise UsageError(f"another export into {os.path.dirname(partial)} removed this export's staging folder "
+                             "as it started; export into another folder")
         yield
     finally:
         os.close(fd)  # releases the lock
 
 
-def _in_use(folder: str) -> bool:
-    """Whether a running export holds ``folder`` (:func:`_held`)."""
+def _removed_unless_held(partial: str) -> bool:
+    """Remove a staging folder unless a running export holds it (:func:`_held`); whether it was removed.
+    The removal runs under the lock, so that an export about to take it finds its folder gone."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return False
+        fd: int | None = os.open(os.path.join(partial, _LOCK), os.O_RDWR)
+    except OSError:  # no lock file: an export killed before it made one
+        fd = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            except OSError as exc:  # no locks on this filesystem
+                logger.debug("no lock on %s (%s)", partial, exc)
+        shutil.rmtree(partial, ignore_errors=True)
         return True
-    except OSError:  # no locks on this filesystem
-        return False
     finally:
-        os.close(fd)
-    return False
+        if fd is not None:
+            os.close(fd)
 
 
 def cast(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
