@@ -120,6 +120,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         self.checkpointer: AsyncCheckpointer | None = None
         self._async_save: Callable[..., bool] | None = None  # the engine's save_checkpoint as wrap() left it
         self._last_saved: tuple[str, str, int] | None = None
+        self._saved: set[tuple[str, str]] = set()  # (folder, tag) of each save this callback made
         self._failures_seen = 0
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -140,7 +141,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         self._async_save = engine.save_checkpoint
         engine.save_checkpoint = self._save_checkpoint
         self._last_saved = None
-        self._failures_seen = 0
+        self._saved, self._failures_seen = set(), 0
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -197,7 +198,9 @@ class AsyncCheckpointCallback(TrainerCallback):
             return
         for failure in failures:
             folder = None if failure.url is None else os.path.abspath(failure.url)  # the root the save went to
-            if folder is None or not _CHECKPOINT_RE.match(os.path.basename(folder)) or not os.path.isdir(folder):
+            # by folder and tag: a save of another tag into the folder (save_16bit_model) is not Trainer's checkpoint
+            if (folder, failure.tag) not in self._saved or not _CHECKPOINT_RE.match(os.path.basename(folder)) \
+                    or not os.path.isdir(folder):
                 continue
             aside = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}")
             n = 1
@@ -224,6 +227,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         if key == self._last_saved:
             logger.debug("%s/%s is already being saved at this step; not saving it twice", key[0], key[1])
             return True
+        self._saved.add(key[:2])
         self._async_save(save_dir, tag, client_state, save_latest=save_latest,
                          exclude_frozen_parameters=exclude_frozen_parameters)
         self._last_saved = key
