@@ -42,8 +42,8 @@ from async_ckpt.job import SaveJob
 from async_ckpt.layout import LATEST, MANIFEST, manifest_path, model_parallel_size, validate_tag
 from async_ckpt.manifest import Manifest
 from async_ckpt.pull import PullReport
-from async_ckpt.resume import (check_for_rank, check_no_other_save, fetch_for_rank, older_committed, rank_files,
-                               resolve)
+from async_ckpt.resume import (check_for_rank, check_no_other_save, fetch_for_rank, older_committed, prune_cache,
+                               rank_files, resolve)
 from async_ckpt.serialization import in_place, record_offsets
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
@@ -379,6 +379,8 @@ class AsyncCheckpointer:
         if path is None:
             raise CheckpointNotFoundError(f"DeepSpeed found no checkpoint files for tag {manifest.tag!r} in {load_dir}")
         logger.info("rank %d resumed from %s/%s (step %d)", self.rank, source, manifest.tag, manifest.step)
+        if source == self.storage.url and self.storage.local_dir() is None:  # loaded from the resume cache
+            prune_cache(load_dir)
         return manifest.tag, client_state or {}
 
     @contextlib.contextmanager

@@ -86,8 +86,8 @@ class CheckpointConfig:
             upload speed; more than the cores you can spare buys nothing. At most max_concurrency.
         cache_dir: local folder (not a URL) for files fetched from remote storage on resume (default:
             ``$XDG_CACHE_HOME/async_ckpt_cache``, else ``async_ckpt_cache-<uid>`` in the temporary folder;
-            ``~`` is expanded). Each load from a URL removes the URL's other cached saves once nothing in
-            them changed for an hour (:func:`async_ckpt.resume.prune_cache`).
+            ``~`` is expanded). After each load from a URL, the URL's other cached saves that no load used
+            and nothing changed in for an hour are removed (:func:`async_ckpt.resume.prune_cache`).
         retry_attempts: tries per object-store request before a transient error (5xx, throttling,
             timeouts, resets) fails the save.
         retry_base_delay_s: first backoff delay; it doubles per retry, with full jitter.

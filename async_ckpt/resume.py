@@ -162,37 +162,50 @@ def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, ca
         check_no_other_save(local, manifest, dp_rank)
         return local, PullReport(tag=manifest.tag, dest=local)
     root = cache_root(cache_dir, storage.url, manifest)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, _IN_USE), "w"):  # in use from now: loads of other saves leave it (prune_cache)
+        pass
     wanted = [manifest.entry(p) for p in rank_files(manifest, dp_rank, mp_rank)]
     report = download(storage, manifest, wanted, os.path.join(root, manifest.tag),
                       max_concurrency=max_concurrency, resumable=False)
     with open(os.path.join(root, LATEST), "w") as fh:
         fh.write(manifest.tag)
-    prune_cache(root)
     logger.info("data-parallel rank %s fetched %d file(s), %.3f GB of tag %s (%d already cached) in %.2f s",
                 "(every shard)" if dp_rank is None else dp_rank, report.files_fetched, report.bytes_fetched / 1e9,
                 manifest.tag, report.files_skipped, report.seconds)
     return root, report
 
 
-#: How long a save cached for a URL stays after anything in it last changed, whatever loads of other saves
-#: of that URL do: longer than any fetch and DeepSpeed load of it that another job or rank may be running.
+#: How long a save cached for a URL stays after its last use began (a fetch, or a check of what is cached)
+#: or anything in it changed, whatever loads of other saves of that URL do: longer than any fetch and
+#: DeepSpeed load of it that another job or rank may be running.
 CACHE_GRACE_S = 3600.0
+_IN_USE = ".in-use"  # in a cached save's folder: touched as each load of it begins
 
 
 def prune_cache(loaded: str, grace_s: float = CACHE_GRACE_S) -> list[str]:
-    """Remove the saves cached for the URL of ``loaded`` (a folder :func:`cache_root` made) other than it,
-    once nothing in them changed for ``grace_s``; return the folders removed.
+    """After a load from ``loaded`` (a folder :func:`cache_root` made), remove the saves cached for its URL
+    other than it that no load used and nothing changed in for ``grace_s``; return the folders removed.
+    A failure to remove is logged, never raised: the load it follows succeeded.
 
     Why: each resume from object storage fetches the save it loads into a folder of its own, so without
-    this the cache grows by this rank's share of a checkpoint at every restart until the disk is full."""
+    this the cache grows by this rank's share of a checkpoint at every restart until the disk is full.
+    A URL never loaded from again keeps its last save cached."""
     parent, cutoff, removed = os.path.dirname(loaded), time.time() - grace_s, []
-    folder = LocalStorage(parent)
-    for name in sorted(os.listdir(parent)):
-        path = os.path.join(parent, name)
-        if name == os.path.basename(loaded) or not os.path.isdir(path) or newest_mtime(folder, name) >= cutoff:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+    try:
+        folder = LocalStorage(parent)
+        for name in sorted(os.listdir(parent)):
+            path = os.path.join(parent, name)
+            if name == os.path.basename(loaded) or not os.path.isdir(path) or newest_mtime(folder, name) >= cutoff:
+                continue
+            shutil.rmtree(path, ignore_errors=True)  # the other ranks sharing the cache remove it too
+            if os.path.exists(path):
+                logger.warning("could not remove %s, an earlier save of this URL, from the resume cache; it stays "
+                               "until a later load removes it", path)
+            else:
+                removed.append(path)
+    except OSError as exc:  # the listing or a file's time: the cache's folder gone or unreadable
+        logger.warning("could not look for earlier saves of this URL in the resume cache %s (%s)", parent, exc)
     if removed:
         logger.info("removed %d earlier save(s) of this URL from the resume cache %s", len(removed), parent)
     return removed

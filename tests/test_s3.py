@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import io
 import os
+import time
 
 import pytest
 import torch
@@ -187,6 +188,20 @@ def test_a_resume_removes_the_other_saves_cached_for_its_url_once_untouched_for_
     for rank in losses:
         assert rank["first_kept_while_recent"] is True  # another job or rank may still be loading it
         assert rank["first_after_it_was_old"] is False
+
+
+def test_pruning_the_resume_cache_keeps_the_saves_a_load_began_using_within_the_hour(tmp_path):
+    from async_ckpt.resume import prune_cache
+
+    hours_ago = time.time() - 7200
+    for save in ("loaded", "old", "old_but_in_use"):
+        (tmp_path / save / "t").mkdir(parents=True)
+        for path in (tmp_path / save / "t" / "shard.pt", tmp_path / save / "latest"):
+            path.write_bytes(b"x")
+            os.utime(path, (hours_ago, hours_ago))
+    (tmp_path / "old_but_in_use" / ".in-use").write_bytes(b"")  # another job's load of it has begun
+    removed = prune_cache(str(tmp_path / "loaded"))
+    assert removed == [str(tmp_path / "old")] and sorted(os.listdir(tmp_path)) == ["loaded", "old_but_in_use"]
 
 
 def test_under_elastic_checkpoint_each_rank_fetches_every_optimizer_shard_and_loads_as_stock_does(
