@@ -78,22 +78,25 @@ def test_direct_writer_keeps_file_order_across_many_buffer_hand_offs(tmp_path):
     assert path.read_bytes() == payload
 
 
-def test_direct_writer_writes_a_file_that_fits_one_buffer_on_the_calling_thread(tmp_path):
+def test_direct_writer_writes_a_file_that_fits_one_buffer_on_the_calling_thread(tmp_path, monkeypatch):
     """A start mark or a manifest is not handed to an I/O thread that must first start and be scheduled."""
     path = tmp_path / "f.bin"
     fd = _open_direct(str(path))
     if fd is None:
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    writers = []
+    write_all = local_storage._write_all
+    monkeypatch.setattr(local_storage, "_write_all",
+                        lambda *args: writers.append(threading.current_thread()) or write_all(*args))
     payload = os.urandom(5000)
     writer = DirectWriter(fd, buffer_bytes=8192)
     try:
         writer.write(payload)
         writer.finish()
-        io_threads = [t for t in threading.enumerate() if t.name.startswith("async_ckpt-direct-io")]
     finally:
         writer.release()
         os.close(fd)
-    assert path.read_bytes() == payload and io_threads == []
+    assert path.read_bytes() == payload and writers == [threading.current_thread()]
 
 
 def test_direct_writer_raises_the_error_of_a_background_write(tmp_path):

@@ -276,7 +276,7 @@ def table(report: dict) -> str:
         "",
         f"checkpoint {floor['bytes'] / GB:.3f} GB per save (all ranks); floors: copy {floor['copy_s'] * 1000:.1f} ms "
         f"({floor['copy_gbps']:.1f} GB/s per rank), local write+fsync {floor['local_write_gbps']:.2f} GB/s"
-        + (f" (best way's median; its best sample {floor['local_write_best_sample_gbps']:.2f} GB/s)"
+        + (f" (the best way's median; the fastest sample of any way {floor['local_write_best_sample_gbps']:.2f} GB/s)"
            if floor.get("local_write_best_sample_gbps") else "")
         + (f" ({floor['local_write_while_training_gbps']:.2f} GB/s while training)"
            if floor.get("local_write_while_training_gbps") else "")
