@@ -246,6 +246,18 @@ def test_the_write_floor_is_the_median_of_the_best_way_as_a_saves_time_to_durabl
     assert typical_and_best(samples) == (0.26, 0.20)  # the lucky 0.20 is the best draw, not the floor
 
 
+def test_the_ranks_floor_takes_each_sample_at_its_slowest_rank_as_they_write_at_once():
+    from async_ckpt.bench.report import GB, _floor_gbps
+
+    def rank(direct):
+        return {"floor": {"bytes": GB, "local_write_s": 0.0, "local_write_best_s": 0.0,
+                          "local_write_samples": {"direct": direct}}}
+
+    ranks = [rank([1.0, 3.0, 2.0]), rank([3.0, 1.0, 2.0])]  # each rank's own median is 2 s
+    assert _floor_gbps(ranks, "local_write_s") == pytest.approx(2 / 3.0)  # the samples took 3, 3 and 2 s
+    assert _floor_gbps(ranks, "local_write_best_s") == pytest.approx(2 / 2.0)
+
+
 def test_bench_times_each_way_of_the_floor_as_many_times_as_asked(bench):
     _, report = bench
     for rank in report["ranks"]:

@@ -7,7 +7,7 @@ import os
 import statistics
 from typing import Any
 
-from async_ckpt.bench import machine_cpu, writeback
+from async_ckpt.bench import floors, machine_cpu, writeback
 
 GB = 1e9
 
@@ -43,11 +43,21 @@ def next_step_over_before(steps: list[dict], method: str, saves: list[dict], bef
 
 
 def _floor_gbps(ranks: list[dict], seconds_key: str) -> float | None:
-    """Every rank's floor bytes over the slowest rank's ``seconds_key`` (they write at once), in GB/s;
-    ``None`` where the run did not measure that floor."""
+    """Every rank's floor bytes over the floor's seconds (``seconds_key``), in GB/s; ``None`` where the run
+    did not measure that floor. The ranks write each sample at once, so a sample takes its slowest rank's
+    time; where the samples are recorded (``..._samples``, :func:`floors.local_write_floor`), the floor is
+    taken from those times (:func:`floors.typical_and_best`), else from the slowest rank's ``seconds_key``."""
     if seconds_key not in ranks[0]["floor"]:
         return None
-    return sum(r["floor"]["bytes"] for r in ranks) / max(r["floor"][seconds_key] for r in ranks) / GB
+    samples_key = seconds_key.removesuffix("_s").removesuffix("_best") + "_samples"
+    if samples_key in ranks[0]["floor"]:
+        together = {way: [max(times) for times in zip(*(r["floor"][samples_key][way] for r in ranks))]
+                    for way in ranks[0]["floor"][samples_key]}
+        typical, best = floors.typical_and_best(together)
+        seconds = best if seconds_key.endswith("_best_s") else typical
+    else:
+        seconds = max(r["floor"][seconds_key] for r in ranks)
+    return sum(r["floor"]["bytes"] for r in ranks) / seconds / GB
 
 
 def durable_profile(ranks: list[dict], name: str, target: str) -> dict[str, float | None] | None:
