@@ -99,6 +99,17 @@ def test_direct_writer_writes_a_file_that_fits_one_buffer_on_the_calling_thread(
     assert path.read_bytes() == payload and writers == [threading.current_thread()]
 
 
+def test_a_retrys_backoff_leaves_the_process_wide_random_sequence_alone():
+    """Training code's own random draws (and so a bitwise resume) must not depend on a background save's retries."""
+    import random
+
+    random.seed(7)
+    expected = [random.random() for _ in range(3)]
+    random.seed(7)
+    delays = [RetryPolicy().delay(attempt) for attempt in range(5)]
+    assert [random.random() for _ in range(3)] == expected and all(d >= 0 for d in delays)
+
+
 def test_direct_writer_raises_the_error_of_a_background_write(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"")

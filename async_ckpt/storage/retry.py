@@ -35,6 +35,11 @@ def is_transient(exc: BaseException) -> bool:
                                                           "ResponseStreamingError", "ClientPayloadError"))
 
 
+#: The backoff's own random numbers: a retry in a background save must not draw from the process-wide
+#: generator, whose sequence the training code's own ``random`` calls (and a bitwise resume) depend on.
+_JITTER = random.Random()
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 6
@@ -42,7 +47,7 @@ class RetryPolicy:
     max_delay_s: float = 20.0
 
     def delay(self, attempt: int) -> float:
-        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** attempt))
+        return _JITTER.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** attempt))
 
     async def run(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Await ``call()``, retrying transient failures; the last error propagates."""
