@@ -518,13 +518,13 @@ def test_a_file_in_memory_is_written_by_one_thread_per_io_pool_with_torch_saves_
     """tmpfs serializes the writes to one file: a second thread per I/O pool would only spin on its lock."""
     monkeypatch.setattr(local, "_CHUNK", 256 * 1024)  # many positioned writes per lent buffer
     writers: set[str] = set()
-    write_all = local._write_all
+    write_all = local.pwrite_all
 
     def recorded(fd, view, offset):
         writers.add(threading.current_thread().name)
         write_all(fd, view, offset)
 
-    monkeypatch.setattr(local, "_write_all", recorded)
+    monkeypatch.setattr(local, "pwrite_all", recorded)
     pool, storage = StagingPool(), LocalStorage(memory_root)
     try:
         for tag in ("t1", "t2"):  # the second save is placed: its buffers are lent, and written ahead of their copy

@@ -85,8 +85,8 @@ def test_direct_writer_writes_a_file_that_fits_one_buffer_on_the_calling_thread(
     if fd is None:
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
     writers = []
-    write_all = local_storage._write_all
-    monkeypatch.setattr(local_storage, "_write_all",
+    write_all = local_storage.pwrite_all
+    monkeypatch.setattr(local_storage, "pwrite_all",
                         lambda *args: writers.append(threading.current_thread()) or write_all(*args))
     payload = os.urandom(5000)
     writer = DirectWriter(fd, buffer_bytes=8192)
@@ -517,6 +517,17 @@ def test_s3_download_into_a_full_disk_names_the_local_folder_not_the_network(s3,
     with pytest.raises(StorageError, match=r"cannot write .*small.bin.*No space left on device. Free space in that "
                                            r"folder \(on resume: cache_dir\)"):
         storage.get_file("small.bin", str(tmp_path / "small.bin"))
+
+
+def test_s3_download_completes_a_part_that_one_write_took_only_some_of(s3, bucket, tmp_path, monkeypatch):
+    """Linux writes at most 2 GiB less a page per pwrite, and a filling disk may take part of a write."""
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024)
+    payload = os.urandom(3000)
+    storage.write_bytes("part.bin", payload)
+    pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: pwrite(fd, memoryview(data)[:1000], offset))
+    storage.get_file("part.bin", str(tmp_path / "part.bin"))
+    assert (tmp_path / "part.bin").read_bytes() == payload
 
 
 def test_a_local_file_that_cannot_be_read_fails_its_check_rather_than_the_verification(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import uuid
 from typing import BinaryIO, Callable, Iterator
@@ -83,6 +84,14 @@ def anonymous_memory(length: int) -> mmap.mmap:
         except OSError as exc:  # EINVAL: an older kernel, or one built without transparent huge pages
             logger.debug("madvise(%d) refused for an anonymous mapping: %s", option, exc)
     return mapping
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """``os.pwrite`` of all of ``view`` at ``offset``: one call may write less (Linux writes at most 2 GiB
+    less a page per call, and a filling disk may take part of a write before it refuses the rest)."""
+    written = 0
+    while written < view.nbytes:
+        written += os.pwrite(fd, view[written:], offset + written)
 
 
 def buffer_address(data: object) -> int:

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import fsspec
 
-from async_ckpt.storage.base import LEND_MIN, anonymous_memory, buffer_address as _address
+from async_ckpt.storage.base import LEND_MIN, anonymous_memory, buffer_address as _address, pwrite_all
 from async_ckpt.storage.fsspec_store import FsspecStorage
 
 logger = logging.getLogger("async_ckpt")
@@ -95,16 +95,10 @@ _IO_THREADS = 2
 _dio_alignment: dict[int, int] = {}  # st_dev -> the alignment O_DIRECT needs there
 
 
-def _write_all(fd: int, view: memoryview, offset: int) -> None:
-    written = 0
-    while written < view.nbytes:
-        written += os.pwrite(fd, view[written:], offset + written)
-
-
 def _write_when_ready(ready: Callable[[int], None] | None, end: int, fd: int, view: memoryview, offset: int) -> None:
     if ready is not None:
         ready(end)
-    _write_all(fd, view, offset)
+    pwrite_all(fd, view, offset)
 
 
 def dio_alignment(fd: int) -> int:
@@ -232,7 +226,7 @@ class DirectWriter:
             for offset in range(0, body, _CHUNK):
                 chunk = middle[offset:offset + _CHUNK]
                 if aligned:
-                    self._submit(self._start + offset, chunk.nbytes, _write_all, self._fd, chunk, self._start + offset)
+                    self._submit(self._start + offset, chunk.nbytes, pwrite_all, self._fd, chunk, self._start + offset)
                 else:
                     self._submit(self._start + offset, chunk.nbytes, self._copy_and_write, chunk, self._start + offset)
             self.copied_bytes += 0 if aligned else body
@@ -274,7 +268,7 @@ class DirectWriter:
     def _flush_buffer(self, length: int | None = None) -> None:
         """Queue the current bounce buffer for writing and continue in the other once its own write is done."""
         length = self._filled if length is None else length
-        self._buffer_writes[self._current] = self._submit(self._start, length, _write_all, self._fd,
+        self._buffer_writes[self._current] = self._submit(self._start, length, pwrite_all, self._fd,
                                                           self._views[self._current][:length], self._start)
         self._start += self._filled
         self._current ^= 1
@@ -290,7 +284,7 @@ class DirectWriter:
         try:
             with memoryview(buffer) as target:
                 ctypes.memmove(_address(target), _address(chunk), chunk.nbytes)
-                _write_all(self._fd, target[:chunk.nbytes], offset)
+                pwrite_all(self._fd, target[:chunk.nbytes], offset)
         finally:
             self._scratch.put(buffer)
 
@@ -302,7 +296,7 @@ class DirectWriter:
             if self._start == 0 and not self._writes:
                 # the whole file is in this one buffer (a start mark, a manifest, a model-states file): written
                 # here, as an I/O thread would only have to start and be scheduled on cores training keeps busy
-                _write_all(self._fd, self._views[self._current][:padded], 0)
+                pwrite_all(self._fd, self._views[self._current][:padded], 0)
             else:
                 self._flush_buffer(padded)
         for future in self._writes:

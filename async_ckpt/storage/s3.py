@@ -37,7 +37,7 @@ import s3fs
 
 from async_ckpt.config import MAX_PART_SIZE, MiB
 from async_ckpt.errors import ConfigError, MissingFileError, StorageError
-from async_ckpt.storage.base import Progress
+from async_ckpt.storage.base import Progress, pwrite_all
 from async_ckpt.storage.fsspec_store import FsspecStorage
 from async_ckpt.storage.retry import RetryPolicy
 
@@ -400,7 +400,8 @@ class S3Storage(FsspecStorage):
                     data = await self.retry.run(f"GET {key} [{start}-{end}]", get)
                 if len(data) != end - start + 1:
                     raise StorageError(f"s3://{self.bucket}/{key}: short read at {start} ({len(data)} bytes)")
-                os.pwrite(fd, data, start)
+                with memoryview(data) as view:
+                    pwrite_all(fd, view, start)
                 journal.record(start)
                 self.stats.add(bytes_downloaded=len(data))
                 if progress:
