@@ -70,7 +70,8 @@ def file_lock(path: str, *, shared: bool = False, create: bool = True) -> Iterat
     try:
         if create:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | (os.O_CREAT if create else 0), 0o644)
+        # open for writing where the lock is exclusive: NFS emulates flock with POSIX locks, which need it
+        fd = os.open(path, (os.O_RDONLY if shared else os.O_RDWR) | (os.O_CREAT if create else 0), 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
     except BaseException as exc:  # an interrupt while waiting closes the file too
         if fd is not None:
