@@ -519,6 +519,18 @@ def test_s3_download_into_a_full_disk_names_the_local_folder_not_the_network(s3,
         storage.get_file("small.bin", str(tmp_path / "small.bin"))
 
 
+@pytest.mark.parametrize("size", [1000, 12 * 1024 * 1024], ids=["one_put", "multipart"])
+def test_s3_requests_carry_the_server_side_encryption_given_in_storage_options(s3, bucket, tmp_path, size):
+    extra = {"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}}
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint, **extra), part_size=5 * 1024 * 1024)
+    payload = os.urandom(size)
+    storage.write_bytes("enc.bin", payload)
+    head = s3.client().head_object(Bucket=bucket, Key="run/enc.bin")
+    assert head["ServerSideEncryption"] == "AES256" and head["ContentLength"] == size
+    storage.get_file("enc.bin", str(tmp_path / "enc.bin"))
+    assert (tmp_path / "enc.bin").read_bytes() == payload
+
+
 def test_s3_download_completes_a_part_that_one_write_took_only_some_of(s3, bucket, tmp_path, monkeypatch):
     """Linux writes at most 2 GiB less a page per pwrite, and a filling disk may take part of a write."""
     storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024)

@@ -297,6 +297,14 @@ class S3Storage(FsspecStorage):
             self._own_fs = s3fs.S3FileSystem(**self._own_fs_options)
         return await self._own_fs.set_session()
 
+    def request(self, s3: Any, operation: str, **params: Any) -> Awaitable[Any]:
+        """``s3.<operation>(**params)`` with what s3fs adds to its own requests, where the operation takes
+        it: ``s3_additional_kwargs`` (server-side encryption, its key...) and ``RequestPayer`` under
+        ``requester_pays``. This module calls the client directly, which adds neither: without this an
+        encryption key given in storage_options was ignored by every upload and download."""
+        method = getattr(s3, operation)
+        return method(**self.fs._get_s3_method_kwargs(method, **params))
+
     def delete(self, relpath: str, *, recursive: bool = False) -> None:
         """As on any fsspec store, then a check that nothing is left: DeleteObjects answers each key
         that S3 refuses (a bucket policy, an object lock) with an error inside a 200 response, and
@@ -368,7 +376,7 @@ class S3Storage(FsspecStorage):
     async def _download(self, key: str, local_path: str, progress: Progress | None, resume: bool) -> None:
         s3 = await self._client()
         try:
-            head = await self.retry.run(f"HEAD {key}", lambda: s3.head_object(Bucket=self.bucket, Key=key))
+            head = await self.retry.run(f"HEAD {key}", lambda: self.request(s3, "head_object", Bucket=self.bucket, Key=key))
         except Exception as exc:
             if _not_found(exc):
                 raise MissingFileError(f"s3://{self.bucket}/{key} does not exist") from None
@@ -392,8 +400,8 @@ class S3Storage(FsspecStorage):
                 end = min(start + self.part_size, size) - 1
                 async with gate:
                     async def get() -> bytes:
-                        resp = await s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}",
-                                                   **same_object)
+                        resp = await self.request(s3, "get_object", Bucket=self.bucket, Key=key,
+                                                  Range=f"bytes={start}-{end}", **same_object)
                         async with resp["Body"] as body:
                             return await body.read()
 
@@ -427,7 +435,7 @@ class S3Storage(FsspecStorage):
             prefix = f"{self.prefix}/" if self.prefix else ""
             found, kwargs = [], {"Bucket": self.bucket, "Prefix": prefix}
             while True:
-                resp = await self.retry.run("list multipart uploads", lambda: s3.list_multipart_uploads(**kwargs))
+                resp = await self.retry.run("list multipart uploads", lambda: self.request(s3, "list_multipart_uploads", **kwargs))
                 found += [(u["Key"][len(prefix):], u["UploadId"], u["Initiated"].timestamp())
                           for u in resp.get("Uploads", [])]
                 if not resp.get("IsTruncated"):
@@ -444,7 +452,7 @@ class S3Storage(FsspecStorage):
             newest, kwargs = 0.0, {"Bucket": self.bucket, "Key": key, "UploadId": upload_id}
             while True:
                 try:
-                    resp = await self.retry.run(f"list parts of {key}", lambda: s3.list_parts(**kwargs))
+                    resp = await self.retry.run(f"list parts of {key}", lambda: self.request(s3, "list_parts", **kwargs))
                 except botocore.exceptions.ClientError as exc:
                     code = _error_code(exc)
                     if code == "NoSuchUpload":  # completed or aborted since it was listed
@@ -470,8 +478,8 @@ class S3Storage(FsspecStorage):
         done (two gc runs at once, or a save's own abort first)."""
         s3 = await self._client()
         try:
-            await self.retry.run(f"abort {key}", lambda: s3.abort_multipart_upload(
-                Bucket=self.bucket, Key=key, UploadId=upload_id))
+            await self.retry.run(f"abort {key}", lambda: self.request(
+                s3, "abort_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id))
         except botocore.exceptions.ClientError as exc:
             if _error_code(exc) != "NoSuchUpload":
                 raise
@@ -490,7 +498,7 @@ class S3Storage(FsspecStorage):
         async def get() -> bytes:
             s3 = await self._client()
             try:
-                resp = await s3.get_object(Bucket=self.bucket, Key=key)
+                resp = await self.request(s3, "get_object", Bucket=self.bucket, Key=key)
             except Exception as exc:
                 if _not_found(exc):
                     raise FileNotFoundError(f"s3://{self.bucket}/{key}") from None
@@ -630,7 +638,8 @@ class MultipartUpload:
         s3 = await self._storage._client()
         resp = await self._storage.retry.run(
             f"create upload {self._key}",
-            lambda: s3.create_multipart_upload(Bucket=self._storage.bucket, Key=self._key, **_checksum_args(s3)))
+            lambda: self._storage.request(s3, "create_multipart_upload", Bucket=self._storage.bucket, Key=self._key,
+                                           **_checksum_args(s3)))
         return resp["UploadId"]
 
     async def _upload_part(self, number: int, part: io.BytesIO, s3: Any) -> dict[str, Any]:
@@ -639,8 +648,9 @@ class MultipartUpload:
         try:
             resp = await self._storage.retry.run(
                 f"part {number} of {self._key}",
-                lambda: s3.upload_part(Bucket=self._storage.bucket, Key=self._key, PartNumber=number,
-                                       UploadId=self._upload_id, Body=_rewound(part), **_checksum_args(s3)))
+                lambda: self._storage.request(s3, "upload_part", Bucket=self._storage.bucket, Key=self._key,
+                                              PartNumber=number, UploadId=self._upload_id, Body=_rewound(part),
+                                              **_checksum_args(s3)))
         finally:
             self._running.discard(task)
         self._storage.stats.add(bytes_uploaded=part.getbuffer().nbytes)
@@ -669,8 +679,8 @@ class MultipartUpload:
             async def put() -> None:
                 s3 = await storage._client()
                 await storage.retry.run(f"PUT {self._key}",
-                                        lambda: s3.put_object(Bucket=storage.bucket, Key=self._key,
-                                                              Body=_rewound(part)))
+                                        lambda: storage.request(s3, "put_object", Bucket=storage.bucket, Key=self._key,
+                                                                     Body=_rewound(part)))
                 storage.stats.add(bytes_uploaded=part.getbuffer().nbytes)
 
             self._wait(storage._run(put()))
@@ -684,8 +694,8 @@ class MultipartUpload:
 
         async def complete(s3: Any) -> None:
             try:
-                await s3.complete_multipart_upload(Bucket=storage.bucket, Key=self._key, UploadId=self._upload_id,
-                                                   MultipartUpload={"Parts": parts})
+                await storage.request(s3, "complete_multipart_upload", Bucket=storage.bucket, Key=self._key,
+                                      UploadId=self._upload_id, MultipartUpload={"Parts": parts})
             except botocore.exceptions.ClientError as exc:
                 if not (_error_code(exc) == "NoSuchUpload" and await self._stored(s3, parts)):
                     raise
@@ -704,7 +714,8 @@ class MultipartUpload:
         try:
             digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in parts)
             head = await self._storage.retry.run(f"HEAD {self._key}",
-                                                 lambda: s3.head_object(Bucket=self._storage.bucket, Key=self._key))
+                                                 lambda: self._storage.request(s3, "head_object", Bucket=self._storage.bucket,
+                                                                               Key=self._key))
         except (ValueError, botocore.exceptions.ClientError):
             return False
         stored = head.get("ETag", "").strip('"') == f"{hashlib.md5(digests).hexdigest()}-{len(parts)}"
