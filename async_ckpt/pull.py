@@ -52,9 +52,11 @@ _LOCKS_DIR = ".async_ckpt-fetching"  # beside the files, out of the way of DeepS
 
 
 def _fetching(tag_dir: str, path: str) -> ContextManager[bool]:
-    """An exclusive lock on fetching ``path`` into ``tag_dir``'s cache: the ranks of a node that share
-    a cache and need the same file (every rank's model states under ZeRO-1/2) fetch it once; the others
-    wait, then find it cached. Where the filesystem refuses locks, each fetches its own copy as before."""
+    """An exclusive lock on fetching ``path`` into ``tag_dir`` (resume's cache, or a pull's destination): the
+    ranks of a node that share a cache and need the same file (every rank's model states under ZeRO-1/2)
+    fetch it once; the others wait, then find it cached. Pulls of the ranks into one destination, which
+    share one partial file per file, likewise. Where the filesystem refuses locks, each fetches its own
+    copy as before."""
     return file_lock(os.path.join(tag_dir, _LOCKS_DIR, path.replace("/", "__") + ".lock"))
 
 
@@ -89,8 +91,9 @@ def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag
 
     def fetch(entry: FileEntry) -> int:
         dest = os.path.join(tag_dir, *entry.path.split("/"))
-        # a file takes its name only once verified (os.replace below), so one that exists needs no lock to check
-        if resumable or os.path.exists(dest):
+        # a file takes its name only once verified (os.replace below), so one that exists needs no lock to check,
+        # unless the fetch is resumable: its partial file's name is the same in every process
+        if os.path.exists(dest) and not resumable:
             return fetch_unless_cached(entry, dest)
         with _fetching(tag_dir, entry.path):
             return fetch_unless_cached(entry, dest)

@@ -12,6 +12,7 @@ import errno
 import importlib
 import json
 import os
+import time
 import shutil
 import subprocess
 import sys
@@ -113,6 +114,44 @@ def test_pull_from_a_local_root_copies_and_verifies_every_file(zero3, capsys, tm
     assert code == 0 and report["files_fetched"] == len(report["files"])
     for name in report["files"]:
         assert (tmp_path / zero3["tag"] / name).read_bytes() == (zero3["local"] / zero3["tag"] / name).read_bytes()
+
+
+def test_pulls_into_one_dest_at_once_fetch_each_file_one_at_a_time(zero3, tmp_path):
+    """As when a launcher runs `async-ckpt pull --rank R --dest DIR` on every rank: their partial files share
+    a name, so two fetches of one file at once would write into each other's."""
+    import threading
+
+    from async_ckpt.catalog import read_manifest
+    from async_ckpt.pull import download
+    from async_ckpt.storage import LocalStorage
+
+    class Counted(LocalStorage):
+        active, most = 0, 0
+        guard = threading.Lock()
+
+        def get_file(self, relpath, local_path, **kwargs):
+            with Counted.guard:
+                Counted.active += 1
+                Counted.most = max(Counted.most, Counted.active)
+            try:
+                time.sleep(0.2)
+                return super().get_file(relpath, local_path, **kwargs)
+            finally:
+                with Counted.guard:
+                    Counted.active -= 1
+
+    storage = Counted(str(zero3["local"]))
+    manifest = read_manifest(storage, zero3["tag"])
+    entry = next(e for e in manifest.files if "model_states" in e.path)
+    dest = str(tmp_path / zero3["tag"])
+    pulls = [threading.Thread(target=download, args=(storage, manifest, [entry], dest),
+                              kwargs={"max_concurrency": 1, "resumable": True}) for _ in range(2)]
+    for pull in pulls:
+        pull.start()
+    for pull in pulls:
+        pull.join()
+    assert Counted.most == 1  # the second found it fetched
+    assert (tmp_path / zero3["tag"] / entry.path).read_bytes() == (zero3["local"] / zero3["tag"] / entry.path).read_bytes()
 
 
 def test_pull_again_fetches_nothing(zero3, s3, capsys, tmp_path):
