@@ -16,7 +16,9 @@ import shutil
 import time
 
 from async_ckpt.catalog import inspect_latest, list_tags, newest_mtime, read_manifest, refuse_unsupported_latest
-from async_ckpt.errors import CheckpointNotFoundError, InvalidTagError, NotCommittedError, VerificationError
+from async_ckpt.config import default_cache_dir
+from async_ckpt.errors import (CheckpointNotFoundError, ConfigError, InvalidTagError, NotCommittedError,
+                               VerificationError)
 from async_ckpt.layout import LATEST, LATEST_UNIVERSAL, files_for_rank, validate_tag
 from async_ckpt.manifest import Manifest, earlier_in_run
 from async_ckpt.pull import PullReport, download, files_of_another_save
@@ -154,6 +156,23 @@ def cache_root(cache_dir: str, url: str, manifest: Manifest) -> str:
     return os.path.join(cache_dir, digest, save)
 
 
+def owned_cache_dir(cache_dir: str) -> str:
+    """``cache_dir``, made (readable by this user only) where missing; refused (:class:`ConfigError`) where
+    another user owns it or others may write into it, unless the folder is given in ``cache_dir`` itself.
+
+    Why: the default lies in the shared temporary folder under a name anyone can predict. Another user who
+    made it first could read the cached shards, or put a file there whose size and CRC-32 match the
+    manifest's (CRC-32 is no signature), which ``torch.load`` would then unpickle in this job."""
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+    if cache_dir == default_cache_dir() and hasattr(os, "getuid"):
+        status = os.stat(cache_dir)
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            raise ConfigError(f"the default resume cache {cache_dir} belongs to another user or others may write "
+                              "into it: a file put there would be loaded as the checkpoint's. Set cache_dir to a "
+                              "folder of your own (or remove that one)")
+    return cache_dir
+
+
 def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, cache_dir: str,
                    max_concurrency: int, mp_rank: int | None = None) -> tuple[str, PullReport]:
     """Fetch what ``dp_rank`` needs of ``manifest`` into the cache; return the folder to load from."""
@@ -161,7 +180,7 @@ def fetch_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, ca
     if local is not None:
         check_no_other_save(local, manifest, dp_rank)
         return local, PullReport(tag=manifest.tag, dest=local)
-    root = cache_root(cache_dir, storage.url, manifest)
+    root = cache_root(owned_cache_dir(cache_dir), storage.url, manifest)
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, _IN_USE), "w"):  # in use from now: loads of other saves leave it (prune_cache)
         pass

@@ -223,6 +223,27 @@ def test_synchronous_saves_with_a_local_tier_are_refused():
         CheckpointConfig(url="s3://bucket/run1", synchronous=True, local_tier="/tmp/tier")
 
 
+def test_the_default_resume_cache_is_made_readable_by_its_user_only(tmp_path, monkeypatch):
+    from async_ckpt import resume
+
+    cache = str(tmp_path / "async_ckpt_cache-1000")
+    monkeypatch.setattr(resume, "default_cache_dir", lambda: cache)
+    assert resume.owned_cache_dir(cache) == cache and os.stat(cache).st_mode & 0o077 == 0
+
+
+def test_a_default_resume_cache_others_may_write_into_is_refused_before_a_file_is_fetched(tmp_path, monkeypatch):
+    """Its name in the shared temporary folder is predictable: another user could have made it first."""
+    from async_ckpt import resume
+
+    cache = tmp_path / "async_ckpt_cache-1000"
+    cache.mkdir()
+    cache.chmod(0o777)
+    monkeypatch.setattr(resume, "default_cache_dir", lambda: str(cache))
+    with pytest.raises(ConfigError, match="belongs to another user or others may write into it.*Set cache_dir"):
+        resume.owned_cache_dir(str(cache))
+    assert os.listdir(cache) == []
+
+
 @pytest.mark.parametrize("cache_dir", ["s3://bucket/cache", "  ", "", " /tmp/cache"])
 def test_a_cache_dir_that_is_not_a_local_folder_is_refused(cache_dir):
     with pytest.raises(ConfigError, match="cache_dir must be a local folder path"):
