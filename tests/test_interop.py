@@ -123,7 +123,6 @@ def test_pulls_into_one_dest_at_once_fetch_each_file_one_at_a_time(zero3, tmp_pa
 
     from async_ckpt.catalog import read_manifest
     from async_ckpt.pull import download
-    from async_ckpt.storage import LocalStorage
 
     class Counted(LocalStorage):
         active, most = 0, 0
@@ -146,10 +145,10 @@ def test_pulls_into_one_dest_at_once_fetch_each_file_one_at_a_time(zero3, tmp_pa
     dest = str(tmp_path / zero3["tag"])
     pulls = [threading.Thread(target=download, args=(storage, manifest, [entry], dest),
                               kwargs={"max_concurrency": 1, "resumable": True}) for _ in range(2)]
-    for pull in pulls:
-        pull.start()
-    for pull in pulls:
-        pull.join()
+    for thread in pulls:
+        thread.start()
+    for thread in pulls:
+        thread.join()
     assert Counted.most == 1  # the second found it fetched
     assert (tmp_path / zero3["tag"] / entry.path).read_bytes() == (zero3["local"] / zero3["tag"] / entry.path).read_bytes()
 
