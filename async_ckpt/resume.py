@@ -157,8 +157,9 @@ def cache_root(cache_dir: str, url: str, manifest: Manifest) -> str:
 
 
 def owned_cache_dir(cache_dir: str) -> str:
-    """``cache_dir``, made (readable by this user only) where missing; refused (:class:`ConfigError`) where
-    another user owns it or others may write into it, unless the folder is given in ``cache_dir`` itself.
+    """``cache_dir``, made (readable by this user only) where missing. The default folder
+    (:func:`~async_ckpt.config.default_cache_dir`) is refused (:class:`ConfigError`) where another user owns
+    it or others may write into it; a folder the user chose is taken as it is (a team's shared cache, say).
 
     Why: the default lies in the shared temporary folder under a name anyone can predict. Another user who
     made it first could read the cached shards, or put a file there whose size and CRC-32 match the
