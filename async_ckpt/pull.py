@@ -48,7 +48,9 @@ class PullReport:
     files: list[str] = field(default_factory=list)
 
 
-_LOCKS_DIR = ".async_ckpt-fetching"  # beside the files, out of the way of DeepSpeed's globs
+#: Beside the tag folder, not in it: DeepSpeed's tools walk the tag folder and take every file whose name
+#: starts with ``zero_pp_rank_`` (ds_to_universal under ZeRO-2), lock files included.
+_LOCKS_DIR = ".async_ckpt-fetching"
 
 
 def _fetching(tag_dir: str, path: str) -> ContextManager[bool]:
@@ -57,7 +59,8 @@ def _fetching(tag_dir: str, path: str) -> ContextManager[bool]:
     fetch it once; the others wait, then find it cached. Pulls of the ranks into one destination, which
     share one partial file per file, likewise. Where the filesystem refuses locks, each fetches its own
     copy as before."""
-    return file_lock(os.path.join(tag_dir, _LOCKS_DIR, path.replace("/", "__") + ".lock"))
+    parent, tag = os.path.split(os.path.normpath(tag_dir))
+    return file_lock(os.path.join(parent, _LOCKS_DIR, tag, f"fetching-{path.replace('/', '__')}.lock"))
 
 
 def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag_dir: str, *,
@@ -274,7 +277,7 @@ def files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:
     listed = set(paths)
     found = []
     for folder, subfolders, names in os.walk(tag_dir):
-        subfolders[:] = [s for s in subfolders if s != _LOCKS_DIR]
+        subfolders[:] = [s for s in subfolders if s != _LOCKS_DIR]  # where earlier versions kept them
         for name in names:
             path = os.path.relpath(os.path.join(folder, name), tag_dir).replace(os.sep, "/")
             shard = path.removesuffix(".partial")
