@@ -376,7 +376,8 @@ class S3Storage(FsspecStorage):
     async def _download(self, key: str, local_path: str, progress: Progress | None, resume: bool) -> None:
         s3 = await self._client()
         try:
-            head = await self.retry.run(f"HEAD {key}", lambda: self.request(s3, "head_object", Bucket=self.bucket, Key=key))
+            head = await self.retry.run(f"HEAD {key}",
+                                        lambda: self.request(s3, "head_object", Bucket=self.bucket, Key=key))
         except Exception as exc:
             if _not_found(exc):
                 raise MissingFileError(f"s3://{self.bucket}/{key} does not exist") from None
@@ -435,7 +436,8 @@ class S3Storage(FsspecStorage):
             prefix = f"{self.prefix}/" if self.prefix else ""
             found, kwargs = [], {"Bucket": self.bucket, "Prefix": prefix}
             while True:
-                resp = await self.retry.run("list multipart uploads", lambda: self.request(s3, "list_multipart_uploads", **kwargs))
+                resp = await self.retry.run("list multipart uploads",
+                                            lambda: self.request(s3, "list_multipart_uploads", **kwargs))
                 found += [(u["Key"][len(prefix):], u["UploadId"], u["Initiated"].timestamp())
                           for u in resp.get("Uploads", [])]
                 if not resp.get("IsTruncated"):
@@ -452,7 +454,8 @@ class S3Storage(FsspecStorage):
             newest, kwargs = 0.0, {"Bucket": self.bucket, "Key": key, "UploadId": upload_id}
             while True:
                 try:
-                    resp = await self.retry.run(f"list parts of {key}", lambda: self.request(s3, "list_parts", **kwargs))
+                    resp = await self.retry.run(f"list parts of {key}",
+                                                lambda: self.request(s3, "list_parts", **kwargs))
                 except botocore.exceptions.ClientError as exc:
                     code = _error_code(exc)
                     if code == "NoSuchUpload":  # completed or aborted since it was listed
@@ -713,9 +716,9 @@ class MultipartUpload:
         MD5 of the parts' MD5s, then ``-N``) says so; where it is no MD5 (SSE-KMS), the error stands."""
         try:
             digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in parts)
-            head = await self._storage.retry.run(f"HEAD {self._key}",
-                                                 lambda: self._storage.request(s3, "head_object", Bucket=self._storage.bucket,
-                                                                               Key=self._key))
+            head = await self._storage.retry.run(
+                f"HEAD {self._key}",
+                lambda: self._storage.request(s3, "head_object", Bucket=self._storage.bucket, Key=self._key))
         except (ValueError, botocore.exceptions.ClientError):
             return False
         stored = head.get("ETag", "").strip('"') == f"{hashlib.md5(digests).hexdigest()}-{len(parts)}"
