@@ -1229,7 +1229,7 @@ class AsyncCheckpointer:
     def _open(self, url: str) -> Storage:
         options = self.config.storage_options if "://" in url else {}
         storage = open_storage(url, options, fsync=self.config.fsync, direct_io=self.config.direct_io,
-                               part_size=self.config.part_size,
+                               part_size=self.config.part_size, equal_parts=self.config.equal_parts,
                                max_concurrency=self.config.max_concurrency,
                                upload_threads=self.config.upload_threads,
                                retry=RetryPolicy(self.config.retry_attempts, self.config.retry_base_delay_s))

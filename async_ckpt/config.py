@@ -80,6 +80,9 @@ class CheckpointConfig:
         part_size: object-store multipart part size in bytes (5 MiB to 5 GiB, S3's limits). A file
             past 1000 parts (16 GiB at the default) doubles it after every 1000 parts, and with it
             the upload's memory, so that S3's 10,000 parts reach its 5 TiB object limit (from 16 MiB).
+        equal_parts: keep every part of an upload at ``part_size`` (the last excepted), for stores that
+            refuse parts of different sizes (Cloudflare R2, Garage). A file then holds at most
+            10,000 parts (156 GiB at the default ``part_size``); raise ``part_size`` for larger files.
         max_concurrency: object-store parts in flight per file; also parallel downloads on resume.
         upload_threads: threads (each an event loop with its own client) that share the parts of
             object-store uploads. Signing and checksumming a part costs CPU, so one thread caps
@@ -145,6 +148,7 @@ class CheckpointConfig:
     commit_timeout_s: float = 1800.0
     wait_timeout_s: float | None = None
     part_size: int = 16 * MiB
+    equal_parts: bool = False
     max_concurrency: int = 8
     upload_threads: int = 4
     cache_dir: str = field(default_factory=default_cache_dir)
@@ -195,7 +199,7 @@ class CheckpointConfig:
                                   "keep_every unset")
         _integer("writer_nice", self.writer_nice, 0, 19)
         for name in ("overlap_copy", "fsync", "direct_io", "exact_bytes", "verify_on_load",
-                     "overwrite_tags"):
+                     "overwrite_tags", "equal_parts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.synchronous is not None and not isinstance(self.synchronous, bool):

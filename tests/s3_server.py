@@ -82,7 +82,8 @@ class FaultProxy:
 
     The fault ``kind`` is ``"503"`` (a SlowDown answer), ``"429"`` (TooManyRequests), ``"reset"`` (the connection is closed
     without an answer) or ``"stall"`` (no answer for ``stall_s`` seconds, then the connection is
-    closed: a client read timeout shorter than that sees a timeout). ``fail_next_parts(n)`` fails
+    closed: a client read timeout shorter than that sees a timeout) or ``"unread"`` (the part's body is left
+    unread, with no answer, until ``heal()``: a store that stops reading mid-part). ``fail_next_parts(n)`` fails
     the next n part uploads (transient); ``fail_all_parts()`` fails every one (permanent);
     ``heal()`` stops injecting. Other processes (the ranks) do the same with
     ``POST {endpoint}/__faults__?parts=N`` (see :func:`set_faults`). ``hold`` (or
@@ -116,6 +117,7 @@ class FaultProxy:
         self._listing_faults = 0
         self._completion_fault: bool | None = None  # None: none; else whether the lost completion is relayed
         self._forgotten_uploads: set[str] = set()
+        self._healed = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -143,9 +145,13 @@ class FaultProxy:
                     conn.close()
 
             def _relay(self):
+                query = parse_qs(urlsplit(self.path).query)
+                if self.command == "PUT" and "partNumber" in query and proxy.kind == "unread" and proxy._take_fault():
+                    proxy._healed.wait()
+                    self.close_connection = True
+                    return
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                query = parse_qs(urlsplit(self.path).query)
                 if self.path.startswith("/__faults__"):  # control: parts=N fails the next N, -1 all, 0 heals
                     with proxy._lock:
                         if "parts" in query:
@@ -268,16 +274,19 @@ class FaultProxy:
         with self._lock:
             self._budget = n
             self.kind = kind
+            self._healed.clear()
 
     def fail_all_parts(self, kind: str = "503") -> None:
         with self._lock:
             self._budget = -1
             self.kind = kind
+            self._healed.clear()
 
     def heal(self) -> None:
         with self._lock:
             self._budget = 0
             self.hold = ""
+            self._healed.set()
 
     def stop(self) -> None:
         self.heal()

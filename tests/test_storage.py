@@ -244,6 +244,20 @@ def test_s3_parts_double_in_size_after_every_band_so_large_files_fit_in_s3s_part
     assert sizes == [5 * mib, 5 * mib, 10 * mib, 10 * mib, 3]
 
 
+def test_s3_equal_parts_keep_every_part_but_the_last_at_part_size(s3, bucket, monkeypatch):
+    """What Cloudflare R2 and Garage need: no doubling, where it would come after two parts here."""
+    monkeypatch.setattr(s3_storage, "PARTS_PER_SIZE", 2)
+    mib = 1024 * 1024
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * mib, equal_parts=True)
+    payload = os.urandom(16 * mib + 3)
+    with storage.open_write("tag/big.bin") as stream:
+        stream.write(payload)
+    client = s3.client()
+    assert client.get_object(Bucket=bucket, Key="run/tag/big.bin")["Body"].read() == payload
+    sizes = [client.head_object(Bucket=bucket, Key="run/tag/big.bin", PartNumber=n)["ContentLength"] for n in range(1, 5)]
+    assert sizes == [5 * mib, 5 * mib, 5 * mib, mib + 3]
+
+
 def test_s3_file_past_the_part_limit_fails_naming_the_fix_and_leaves_no_upload(s3, bucket, monkeypatch):
     monkeypatch.setattr(s3_storage, "MAX_PARTS", 2)
     storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024)
@@ -292,6 +306,51 @@ def test_s3_close_during_an_upload_fails_the_upload_rather_than_hanging_it(s3, b
         writer.join(timeout=60)
         storage.close()
     assert s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_s3_upload_going_on_after_close_fails_rather_than_starting_upload_threads_again(s3, bucket):
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024)
+    with pytest.raises(StorageError, match="closed while an upload was still running"):
+        with storage.open_write("tag/blob.bin") as stream:
+            stream.write(os.urandom(6 * 1024 * 1024))  # the first part is sent
+            storage.close()
+            stream.write(os.urandom(6 * 1024 * 1024))
+    assert _upload_threads() == set()
+    assert s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_s3_part_whose_body_the_store_stops_reading_is_given_up_and_sent_again(s3, bucket, monkeypatch):
+    """botocore's read timeout starts once the body is sent; a part the store stops reading mid-body
+    would otherwise hold the upload until TCP gives up, or for ever. One part of 16 MiB: more than the
+    loopback socket buffers take while the store reads nothing."""
+    monkeypatch.setattr(s3_storage, "SLOWEST_PART_BYTES_PER_S", 16 * 1024 * 1024)  # a deadline of 3 s here
+    proxy = FaultProxy(s3.endpoint)
+    proxy.fail_next_parts(1, kind="unread")
+    opts = options(proxy.endpoint, config_kwargs={"read_timeout": 1.0, "connect_timeout": 1.0})
+    storage = open_storage(f"s3://{bucket}/run", opts, part_size=16 * 1024 * 1024,
+                           retry=RetryPolicy(attempts=3, base_delay_s=0.05))
+    payload = os.urandom(16 * 1024 * 1024)
+    outcome: list[BaseException | None] = []
+
+    def upload() -> None:
+        try:
+            with storage.open_write("tag/blob.bin") as stream:
+                stream.write(payload)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            outcome.append(exc)
+
+    writer = threading.Thread(target=upload)
+    try:
+        writer.start()
+        writer.join(timeout=60)
+        assert not writer.is_alive(), "the upload still waits for the part the store stopped reading"
+        assert outcome == [None] and proxy.injected == 1
+        assert s3.client().get_object(Bucket=bucket, Key="run/tag/blob.bin")["Body"].read() == payload
+    finally:
+        proxy.stop()
+        writer.join(timeout=60)
+        storage.close()
 
 
 def test_s3_ranged_download_reassembles_the_object(s3, bucket, tmp_path):

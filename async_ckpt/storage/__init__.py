@@ -24,7 +24,7 @@ _MALFORMED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/?(?!/)")
 
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
                  direct_io: bool = True,
-                 part_size: int | None = None, max_concurrency: int | None = None,
+                 part_size: int | None = None, equal_parts: bool = False, max_concurrency: int | None = None,
                  upload_threads: int | None = None, retry: RetryPolicy | None = None) -> Storage:
     """The backend for ``url``: local/NFS paths, ``s3://``, or any other fsspec protocol."""
     if _MALFORMED_URL.match(url) and "://" not in url:
@@ -45,7 +45,7 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, 
     if protocol in ("s3", "s3a"):
         from async_ckpt.storage.s3 import S3Storage
 
-        return S3Storage(url, options, part_size=part_size, max_concurrency=max_concurrency,
+        return S3Storage(url, options, part_size=part_size, equal_parts=equal_parts, max_concurrency=max_concurrency,
                          upload_threads=upload_threads, retry=retry)
     try:
         fs_cls = fsspec.get_filesystem_class(protocol)

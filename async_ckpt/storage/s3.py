@@ -70,9 +70,16 @@ SMALL_FILE = 1024 * 1024
 #: S3 takes at most 10,000 parts per object, each at most 5 GiB (MAX_PART_SIZE). Parts double in
 #: size after every PARTS_PER_SIZE of them, so 10,000 parts reach S3's 5 TiB object limit from the
 #: default 16 MiB (4.9 TiB from the 5 MiB minimum), while files up to PARTS_PER_SIZE * part_size
-#: (16 GiB by default) keep the configured size.
+#: (16 GiB by default) keep the configured size. Stores that refuse parts of different sizes (Cloudflare R2,
+#: Garage) need ``equal_parts``, which keeps the configured size up to the 10,000th part.
 MAX_PARTS = 10_000
 PARTS_PER_SIZE = 1000
+
+#: A part's request is given up (and retried) once it has taken longer than the client's connect and read
+#: timeouts plus its size at this rate. botocore's read timeout starts only once the body is sent, so a
+#: store that stops reading mid-part would hold the request until TCP gives up (about 15 min), or for
+#: ever while the store keeps answering with a zero window.
+SLOWEST_PART_BYTES_PER_S = 256 * 1024
 
 #: Every part carries its CRC-32, which the store checks on arrival and combines into the object's
 #: checksum at completion (boto3's TransferManager does the same; the store finishes faster with it).
@@ -163,6 +170,8 @@ class UploadLanes:
     def __init__(self, count: int, make_client: Callable[[asyncio.AbstractEventLoop], Awaitable[Any]]) -> None:
         self._lanes: list[tuple[asyncio.AbstractEventLoop, threading.Thread, Any]] = []
         self._next = itertools.count()
+        self._lock = threading.Lock()  # a part is handed to a lane whole, or not at all once close() began
+        self._closed = False
         try:
             for index in range(count):
                 loop = asyncio.new_event_loop()
@@ -177,11 +186,11 @@ class UploadLanes:
 
     def submit(self, call: Callable[[Any], Awaitable[T]]) -> Future:
         """Run ``call(client)`` on the next lane, round robin: parts are of equal size, so is the load."""
-        lanes = self._lanes
-        if not lanes:
-            raise StorageError("the S3 upload threads were closed while an upload was still running")
-        loop, _, client = lanes[next(self._next) % len(lanes)]
-        return asyncio.run_coroutine_threadsafe(call(client), loop)
+        with self._lock:
+            if self._closed:
+                raise StorageError("the S3 upload threads were closed while an upload was still running")
+            loop, _, client = self._lanes[next(self._next) % len(self._lanes)]
+            return asyncio.run_coroutine_threadsafe(call(client), loop)
 
     def run_everywhere(self, call: Callable[[], Awaitable[Any]], timeout_s: float = 30) -> None:
         """Run ``call()`` on every lane in turn, after whatever was handed to that lane before it."""
@@ -192,7 +201,11 @@ class UploadLanes:
 
     def close(self) -> None:
         """Cancel what still runs on the lanes (its callers see the cancellation, rather than wait
-        forever), close every lane's client, stop its loop and join its thread."""
+        forever), close every lane's client, stop its loop and join its thread. A part handed in
+        meanwhile is refused (:meth:`submit`); one that a closing client sent into its retry's backoff
+        is cancelled once the loop has stopped, so no caller waits for a loop that no longer runs."""
+        with self._lock:
+            self._closed = True
         self.run_everywhere(_cancel_other_tasks)
         lanes, self._lanes = self._lanes, []
         for loop, thread, client in lanes:
@@ -206,6 +219,7 @@ class UploadLanes:
                 asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result(timeout=10)
             loop.call_soon_threadsafe(loop.stop)
             thread.join()
+            loop.run_until_complete(_cancel_other_tasks())
             loop.close()
 
 
@@ -224,7 +238,7 @@ class S3Storage(FsspecStorage):
     writes_in_place = True
 
     def __init__(self, url: str, storage_options: dict[str, Any], *, part_size: int | None = None,
-                 max_concurrency: int | None = None, upload_threads: int | None = None,
+                 equal_parts: bool = False, max_concurrency: int | None = None, upload_threads: int | None = None,
                  retry: RetryPolicy | None = None) -> None:
         options = dict(storage_options)
         options.setdefault("skip_instance_cache", True)
@@ -250,6 +264,7 @@ class S3Storage(FsspecStorage):
         super().__init__(fs, fs._strip_protocol(url), url.rstrip("/"))
         self.bucket, _, self.prefix = self.root.partition("/")
         self.part_size = part_size or 16 * MiB
+        self.equal_parts = equal_parts
         self.max_concurrency = max_concurrency or 8
         self.upload_threads = upload_threads or 4
         self.retry = retry or RetryPolicy()
@@ -558,6 +573,7 @@ class MultipartUpload:
         self._spare: list[io.BytesIO] = []  # parts whose request is over, filled again rather than allocated
         self._inflight: deque[tuple[Future, io.BytesIO]] = deque()
         self._running: set[asyncio.Task] = set()  # part requests that have started, on whichever lane
+        self._lanes: UploadLanes | None = None  # taken at the first part: a close() meanwhile fails the upload
         self._parts: list[dict[str, Any]] = []
         self._next_part = 1
         self.size = 0
@@ -607,6 +623,7 @@ class MultipartUpload:
     def _send_part(self) -> None:
         storage = self._storage
         if self._upload_id is None:
+            self._lanes = storage._upload_lanes()
             self._upload_id = self._wait(storage._run(self._create()))
         while len(self._inflight) >= storage.max_concurrency:
             self._collect()
@@ -614,10 +631,11 @@ class MultipartUpload:
         if number > MAX_PARTS:
             raise StorageError(f"s3://{storage.bucket}/{self._key} needs more than S3's {MAX_PARTS} parts "
                                f"(parts of up to {self._part_size} bytes): raise part_size")
-        if number % PARTS_PER_SIZE == 0 and number < MAX_PARTS and self._part_size < MAX_PART_SIZE:
+        if number % PARTS_PER_SIZE == 0 and number < MAX_PARTS and self._part_size < MAX_PART_SIZE \
+                and not storage.equal_parts:
             self._grow_parts()
         part = self._take_part()
-        future = storage._upload_lanes().submit(functools.partial(self._upload_part, number, part))
+        future = self._lanes.submit(functools.partial(self._upload_part, number, part))
         self._inflight.append((future, part))
         storage.stats.note_buffered((len(self._inflight) + 1) * self._part_size)
 
@@ -648,12 +666,16 @@ class MultipartUpload:
     async def _upload_part(self, number: int, part: io.BytesIO, s3: Any) -> dict[str, Any]:
         task = asyncio.current_task()
         self._running.add(task)
+        config = s3.meta.config
+        deadline = (config.connect_timeout or 0) + (config.read_timeout or 0) \
+            + part.getbuffer().nbytes / SLOWEST_PART_BYTES_PER_S
         try:
             resp = await self._storage.retry.run(
                 f"part {number} of {self._key}",
-                lambda: self._storage.request(s3, "upload_part", Bucket=self._storage.bucket, Key=self._key,
-                                              PartNumber=number, UploadId=self._upload_id, Body=_rewound(part),
-                                              **_checksum_args(s3)))
+                lambda: asyncio.wait_for(
+                    self._storage.request(s3, "upload_part", Bucket=self._storage.bucket, Key=self._key,
+                                          PartNumber=number, UploadId=self._upload_id, Body=_rewound(part),
+                                          **_checksum_args(s3)), deadline))
         finally:
             self._running.discard(task)
         self._storage.stats.add(bytes_uploaded=part.getbuffer().nbytes)
@@ -707,7 +729,15 @@ class MultipartUpload:
             s3 = await storage._client()
             await storage.retry.run(f"complete {self._key}", lambda: complete(s3))
 
-        self._wait(storage._run(finish()))
+        try:
+            self._wait(storage._run(finish()))
+        except StorageError as exc:
+            if self._part_size == storage.part_size:
+                raise
+            raise StorageError(f"{exc}. Its parts grew from {storage.part_size} to {self._part_size} bytes after "
+                               f"every {PARTS_PER_SIZE} parts; if the store needs every part but the last of one "
+                               "size (Cloudflare R2, Garage), set equal_parts=True (and a part_size above "
+                               "the file's size / 10,000)") from exc.__cause__
 
     async def _stored(self, s3: Any, parts: list[dict[str, Any]]) -> bool:
         """Whether the object at the key is these parts, joined: a completion that the store answers
@@ -736,9 +766,8 @@ class MultipartUpload:
         """
         for future, _ in self._inflight:
             future.cancel()  # a request that has not started yet never will
-        lanes = self._storage._lanes  # once: close() may drop them meanwhile
-        if self._inflight and lanes is not None:
-            lanes.run_everywhere(self._settle)
+        if self._inflight and self._lanes is not None:
+            self._lanes.run_everywhere(self._settle)
         self._release()
         if self._upload_id is None:
             return
