@@ -896,7 +896,7 @@ class AsyncCheckpointer:
             manifest = Manifest(tag=job.tag, step=0, world_size=self.world_size, zero_stage=0, dtype="", files=[],
                                 save_id=job.save_id)
         self._drainer.submit(DrainJob(manifest=manifest, drain_id=job.save_id, handle=job.handle,
-                                      started=job.started, error=error))
+                                      started=job.started, error=error, overwrites=job.overwrites))
 
     def _record_drain_failure(self, error: SaveFailedError, job: DrainJob) -> None:
         """A drain failed: retried at the next save. Its first failure is reported (raised there with

@@ -7,7 +7,9 @@ this rank) from its node's folder, checks that every copy has the committed size
 file that rotted is never made durable), and then commits the tag at the URL exactly as a direct save
 commits (:func:`async_ckpt.commit.commit`, through the job's c10d store under keys of its own): the
 manifest, then ``latest``, then ``keep_last`` retention. A drain that fails or is cut short leaves the
-URL's ``latest`` and tags as they were; the local tier keeps the tag, and the next ``save()``,
+URL's ``latest`` and committed tags as they were; where it fails, each rank removes what it copied and its
+start mark, as a failed write does (where that write was cut short, or the save overwrote a committed tag,
+the mark stays for ``async-ckpt gc``). The local tier keeps the tag, and the next ``save()``,
 ``close()`` or ``wrap()`` drains it again (:func:`async_ckpt.tiers.undrained`), unless a later tag
 reached the URL first: that one supersedes it, and it stays on the local tier only.
 """
@@ -51,6 +53,9 @@ class DrainJob:
     #: Why this rank cannot drain the tag (its commit record is unknown here): the drain fails on every
     #: rank rather than commit a tag without this rank's files.
     error: str | None = None
+    #: The save overwrote a committed tag: the URL's folder may hold that save's files besides this
+    #: drain's copies, so a failed drain leaves its start mark there for gc, as a failed write does.
+    overwrites: bool = False
 
     @property
     def tag(self) -> str:
@@ -194,6 +199,7 @@ class Drainer:
                 continue
             # keyed by the save, not the attempt: ranks may have kept different attempts of one save
             retry = DrainJob(manifest=job.manifest, drain_id=f"{job.manifest.save_id}-retry", error=job.error,
+                             overwrites=job.overwrites,
                              handle=SaveHandle(tag=job.tag, url=job.handle.url, metrics=dict(job.handle.metrics)))
             retry.handle._commit_local(job.handle.local_result())
             self.submit(retry)
@@ -225,6 +231,7 @@ class Drainer:
                     self._on_done(job.handle)
                 except BaseException:  # noqa: BLE001 - a callback must never stop the drainer
                     logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
+        self._store = None  # its client holds a socket; a drain submitted from now on fails before using it
 
     def _failed_outside_drain(self, job: DrainJob, exc: BaseException) -> None:
         """What :meth:`_drain` raised past its own handling: the drain fails if it has not settled (not
@@ -250,8 +257,9 @@ class Drainer:
                              save_latest=job.manifest.sets_latest, keep_last=target.keep_last,
                              keep_every=target.keep_every, metadata=job.metadata,
                              retention_allowed=self._retention_allowed)
+        copied: list[FileEntry] = []
         try:
-            entries = self._copy(job)
+            self._copy(job, copied)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handle
             error = f"rank {self._rank} could not drain it: {type(exc).__name__}: {exc}"
             try:
@@ -259,15 +267,19 @@ class Drainer:
             except Exception as store_exc:
                 logger.debug("could not report the failed drain of %s: %s", job.tag, store_exc)
             self._acknowledge(commit_job)
+            # a SaveFailedError is _copy's refusal to go on, which cuts no write short
+            self._remove_copies(job, copied, cut_short=not isinstance(exc, SaveFailedError))
             self._fail(job, error)
             return
         try:
-            outcome = commit.commit(commit_job, entries, self._commit_timeout_s)
+            outcome = commit.commit(commit_job, copied, self._commit_timeout_s)
         except Exception as exc:
             outcome = Outcome(False, f"the commit handshake through the job's c10d store failed on rank {self._rank} "
                                      f"({brief(exc)})")
         self._acknowledge(commit_job)
         if not outcome.committed:
+            if outcome.cleanup:
+                self._remove_copies(job, copied, cut_short=False)
             self._fail(job, outcome.error or "not committed")
             return
         metrics.update(drain_s=time.perf_counter() - started, durable_s=time.perf_counter() - job.started,
@@ -287,16 +299,16 @@ class Drainer:
                         metrics["durable_s"], metrics["drain_s"])
         local = job.handle.local_result() if job.handle.local_done() else None
         job.handle._succeed(SaveResult(
-            tag=job.tag, url=target.durable.url, bytes_written=sum(e.size for e in entries),
+            tag=job.tag, url=target.durable.url, bytes_written=sum(e.size for e in copied),
             stall_s=metrics.get("stall_s", 0.0), persist_s=local.persist_s if local else 0.0,
             commit_s=metrics.get("durable_commit_s", 0.0), warnings=tuple(outcome.warnings)))
 
-    def _copy(self, job: DrainJob) -> list[FileEntry]:
-        """This rank's files of the tag, from the node folder to the URL, each checked against the manifest."""
+    def _copy(self, job: DrainJob, copied: list[FileEntry]) -> None:
+        """Copy this rank's files of the tag from the node folder to the URL, each checked against the
+        manifest; each file copied goes to ``copied`` at once, so that a failure knows what to remove."""
         if job.error is not None:
             raise SaveFailedError(job.error, tag=job.tag)
         root = self._target.local.local_dir()
-        copied = []
         mine = [entry for entry in job.manifest.one_copy_each().files if entry.rank == self._rank]
         if mine:
             commit.mark_started(self._target.durable, job.tag, self._rank, job.manifest.save_id)
@@ -304,11 +316,22 @@ class Drainer:
             source = os.path.join(root, job.tag, *entry.path.split("/"))
             done = copy_local_file(self._target.durable, f"{job.tag}/{entry.path}", source, tag_dir=job.tag,
                                    rank=self._rank)
+            copied.append(done)
             if (done.size, done.crc32) != (entry.size, entry.crc32):
                 raise SaveFailedError(f"{source} changed since its commit (size {done.size}, crc32 {done.crc32}; "
                                       f"committed {entry.size}, {entry.crc32}): not made durable", tag=job.tag)
-            copied.append(done)
-        return copied
+
+    def _remove_copies(self, job: DrainJob, copied: list[FileEntry], *, cut_short: bool) -> None:
+        """The tag aborted at the URL (no manifest can appear there): remove this rank's copies, then its
+        start mark, as a failed write does (:meth:`async_ckpt.writer.BackgroundWriter._fail`). The mark
+        stays for gc where a copy was cut short (what it left may be out of sight here) or the save
+        overwrote a committed tag (whose other files may stay in the folder)."""
+        durable = self._target.durable
+        if commit.remove_files(durable, job.tag, copied) and copied and not (cut_short or job.overwrites):
+            try:
+                commit.unmark(durable, job.tag, self._rank)
+            except Exception as exc:
+                logger.debug("could not remove the start mark of %s at %s: %s", job.tag, durable.url, exc)
 
     def _fail(self, job: DrainJob, error: str) -> None:
         failure = SaveFailedError(f"tag {job.tag!r} is committed on the local tier but its drain to "

@@ -207,8 +207,13 @@ def test_a_failed_drain_is_reported_and_leaves_the_durable_tier_unchanged(healed
         assert out["durable_latest_after_failure"] is False
 
 
-def test_a_failed_drain_leaves_what_it_copied_for_gc_as_a_dead_save_of_ours(healed):
+def test_a_failed_drain_leaves_the_failing_ranks_start_mark_for_gc_as_a_dead_save_of_ours(healed):
     assert [out["gc_after_failure"] for out in healed["ranks"]] == [["first"], ["first"]]
+
+
+def test_a_failed_drain_removes_what_the_other_ranks_copied(healed):
+    """As a failed write does: the rank whose copy was cut short keeps its start mark, for gc."""
+    assert healed["ranks"][0]["durable_files_after_failure"] == ["first/.async_ckpt/started-rank1"]
 
 
 def test_a_failed_drain_is_redone_by_close_or_by_the_next_save(healed):

@@ -151,6 +151,9 @@ def drain_fails_then_heals(durable: str, work: str, heal_by: str) -> dict:
            "drain_error": str(handle.exception(timeout=120)),
            "durable_latest_after_failure": os.path.exists(os.path.join(durable, "latest")),
            "gc_after_failure": collect_garbage(open_storage(durable), grace_s=0, dry_run=True).incomplete_tags}
+    dist.barrier()  # every rank's drain has ended
+    out["durable_files_after_failure"] = sorted(os.path.relpath(os.path.join(folder, name), durable)
+                                                for folder, _, names in os.walk(durable) for name in names)
     dist.barrier()  # no rank drains again (close) before every rank has looked
     ckpt.storage.fs.fail_ranks = set()  # the durable tier heals
     if heal_by == "save":
