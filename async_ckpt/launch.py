@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator, Mapping
 
 from async_ckpt.errors import AsyncCkptError
@@ -159,7 +160,13 @@ def _worker(tasks: Any, results: Any, owner: int, environ: dict[str, str] | None
             break
         fn, args, kwargs = item
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            try:  # the queue pickles in a thread of its own, which drops what fails: the caller would wait in vain
+                ForkingPickler.dumps(result)
+            except Exception as exc:
+                raise TypeError(f"{getattr(fn, '__name__', fn)} returned a {type(result).__name__}, which cannot be "
+                                f"sent back from the rank ({exc}); return plain data") from exc
+            results.put((rank, True, result))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     import torch.distributed as dist
@@ -264,12 +271,16 @@ class RankGroup:
                 os.kill(self._procs[rank].pid, STACK_DUMP_SIGNAL)
         text = ""
         for rank in alive:
+            path = self._stack_file(rank)
             deadline = time.monotonic() + 5  # faulthandler writes from the signal handler, at once
-            while time.monotonic() < deadline and not os.path.getsize(self._stack_file(rank)):
+            while time.monotonic() < deadline and not (os.path.exists(path) and os.path.getsize(path)):
                 time.sleep(0.05)
             time.sleep(0.2)
-            with open(self._stack_file(rank)) as fh:
-                text += f"\n--- rank {rank}, which did not answer, was here:\n{fh.read()}"
+            try:
+                with open(path) as fh:
+                    text += f"\n--- rank {rank}, which did not answer, was here:\n{fh.read()}"
+            except OSError:  # a rank still starting: it had not opened its stack file yet
+                text += f"\n--- rank {rank}, which did not answer, was still starting"
         return text
 
     def close(self, force: bool = False) -> None:

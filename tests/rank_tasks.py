@@ -857,6 +857,17 @@ def _stuck_in_a_long_wait(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def return_a_lock() -> object:
+    """A result no queue can carry back to the caller."""
+    import threading
+
+    return threading.Lock()
+
+
+def return_the_rank() -> int:
+    return _rank()
+
+
 def _fast_persist_save(engine, root: str, tag: str) -> None:
     """A save by DeepSpeed's FastPersist engine (its Python writer): torch.save into a stream, as async_ckpt's
     default writes."""

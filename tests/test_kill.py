@@ -105,6 +105,12 @@ def test_s3_gc_removes_what_the_crash_left_behind(crashed_on_s3, s3):
     assert client.list_objects_v2(Bucket=crashed_on_s3["bucket"], Prefix="run/good/")["KeyCount"] > 0
 
 
+def test_a_result_a_rank_cannot_send_back_fails_the_call_naming_it_and_the_group_goes_on(ranks):
+    with pytest.raises(RankError, match="return_a_lock returned a lock, which cannot be sent back from the rank"):
+        ranks.run(rank_tasks.return_a_lock, timeout_s=60)
+    assert ranks.run(rank_tasks.return_the_rank) == [0, 1]
+
+
 def test_a_rank_that_hangs_is_reported_with_where_it_hangs(ranks):
     """Last in this module: it tears the group down, as any hang does."""
     with pytest.raises(RankError, match=r"ranks \[1\] did not answer within 5 s") as info:
