@@ -205,13 +205,15 @@ _IN_USE = ".in-use"  # in a cached save's folder: touched as each load of it beg
 
 def prune_cache(loaded: str, grace_s: float = CACHE_GRACE_S) -> list[str]:
     """After a load from ``loaded`` (a folder :func:`cache_root` made), remove the saves cached for its URL
-    other than it that no load used and nothing changed in for ``grace_s``; return the folders removed.
+    other than it that no load used and nothing changed in for ``grace_s``, and the partial files in it
+    that killed fetches left as long ago; return the folders removed.
     A failure to remove is logged, never raised: the load it follows succeeded.
 
     Why: each resume from object storage fetches the save it loads into a folder of its own, so without
     this the cache grows by this rank's share of a checkpoint at every restart until the disk is full.
     A URL never loaded from again keeps its last save cached."""
     parent, cutoff, removed = os.path.dirname(loaded), time.time() - grace_s, []
+    _remove_killed_fetches(loaded, cutoff)
     try:
         folder = LocalStorage(parent)
         for name in sorted(os.listdir(parent)):
@@ -229,3 +231,18 @@ def prune_cache(loaded: str, grace_s: float = CACHE_GRACE_S) -> list[str]:
     if removed:
         logger.info("removed %d earlier save(s) of this URL from the resume cache %s", len(removed), parent)
     return removed
+
+
+def _remove_killed_fetches(loaded: str, cutoff: float) -> None:
+    """The partial files (and their part journals) that fetches killed mid-file left in the loaded save's
+    folder, unchanged since ``cutoff``: each fetch into the cache writes under a name of its own, which no
+    later fetch resumes, so a job killed while fetching a shard leaves up to a shard's size behind."""
+    for folder, _, names in os.walk(loaded):
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                if name.endswith((".partial", ".partial.parts")) and os.stat(path).st_mtime < cutoff:
+                    os.unlink(path)
+                    logger.info("removed %s, left in the resume cache by a fetch that was killed", path)
+            except OSError as exc:  # removed meanwhile by another rank sharing the cache, or not ours to remove
+                logger.debug("could not remove %s from the resume cache: %s", path, exc)

@@ -204,6 +204,21 @@ def test_pruning_the_resume_cache_keeps_the_saves_a_load_began_using_within_the_
     assert removed == [str(tmp_path / "old")] and sorted(os.listdir(tmp_path)) == ["loaded", "old_but_in_use"]
 
 
+def test_pruning_the_resume_cache_removes_what_fetches_killed_an_hour_ago_left_in_the_loaded_save(tmp_path):
+    from async_ckpt.resume import prune_cache
+
+    hours_ago = time.time() - 7200
+    tag = tmp_path / "loaded" / "t"
+    tag.mkdir(parents=True)
+    names = ["shard.pt", "shard.pt.1f2e.partial", "shard.pt.1f2e.partial.parts", "other.pt.9a8b.partial"]
+    for name in names:
+        (tag / name).write_bytes(b"x")
+        if name != "other.pt.9a8b.partial":  # a fetch still writing this one
+            os.utime(tag / name, (hours_ago, hours_ago))
+    prune_cache(str(tmp_path / "loaded"))
+    assert sorted(os.listdir(tag)) == ["other.pt.9a8b.partial", "shard.pt"]
+
+
 def test_under_elastic_checkpoint_each_rank_fetches_every_optimizer_shard_and_loads_as_stock_does(
         s3, ranks, tmp_path_factory):
     # DeepSpeed 0.19's own load of an elastic ZeRO-2 checkpoint with torch's Adam fails (its step count is
