@@ -175,7 +175,7 @@ class UploadLanes:
         try:
             for index in range(count):
                 loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name=f"async_ckpt-s3-lane-{index}", daemon=True)
+                thread = threading.Thread(target=_serve, args=(loop,), name=f"async_ckpt-s3-lane-{index}", daemon=True)
                 thread.start()
                 self._lanes.append((loop, thread, None))
                 client = asyncio.run_coroutine_threadsafe(make_client(loop), loop).result()
@@ -202,8 +202,7 @@ class UploadLanes:
     def close(self) -> None:
         """Cancel what still runs on the lanes (its callers see the cancellation, rather than wait
         forever), close every lane's client, stop its loop and join its thread. A part handed in
-        meanwhile is refused (:meth:`submit`); one that a closing client sent into its retry's backoff
-        is cancelled once the loop has stopped, so no caller waits for a loop that no longer runs."""
+        meanwhile is refused (:meth:`submit`)."""
         with self._lock:
             self._closed = True
         self.run_everywhere(_cancel_other_tasks)
@@ -218,9 +217,29 @@ class UploadLanes:
             with contextlib.suppress(Exception):  # the resolver's executor threads, started by aiohttp
                 asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result(timeout=10)
             loop.call_soon_threadsafe(loop.stop)
-            thread.join()
-            loop.run_until_complete(_cancel_other_tasks())
-            loop.close()
+            thread.join(timeout=30)
+            if thread.is_alive():
+                logger.warning("the S3 upload thread %s did not stop within 30 s of close(); it is left to end on "
+                               "its own", thread.name)
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """A lane's thread: its loop, until :meth:`UploadLanes.close` stops it. Then what is still pending there
+    (a part that a closing client sent into its retry's backoff) is cancelled, so that no caller waits
+    for a loop that no longer runs, and the loop is closed."""
+    try:
+        loop.run_forever()
+        loop.run_until_complete(_cancel_leftovers())
+    finally:
+        loop.close()
+
+
+async def _cancel_leftovers(timeout_s: float = 5) -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:
@@ -669,13 +688,22 @@ class MultipartUpload:
         config = s3.meta.config
         deadline = (config.connect_timeout or 0) + (config.read_timeout or 0) \
             + part.getbuffer().nbytes / SLOWEST_PART_BYTES_PER_S
+
+        async def attempt() -> Any:
+            limit = asyncio.timeout(deadline)
+            try:
+                async with limit:
+                    return await self._storage.request(s3, "upload_part", Bucket=self._storage.bucket, Key=self._key,
+                                                       PartNumber=number, UploadId=self._upload_id,
+                                                       Body=_rewound(part), **_checksum_args(s3))
+            except TimeoutError as exc:
+                if not limit.expired():
+                    raise
+                raise TimeoutError(f"no answer within {deadline:.0f} s (the client's connect and read timeouts, "
+                                   f"and the part at {SLOWEST_PART_BYTES_PER_S // 1024} KiB/s)") from exc
+
         try:
-            resp = await self._storage.retry.run(
-                f"part {number} of {self._key}",
-                lambda: asyncio.wait_for(
-                    self._storage.request(s3, "upload_part", Bucket=self._storage.bucket, Key=self._key,
-                                          PartNumber=number, UploadId=self._upload_id, Body=_rewound(part),
-                                          **_checksum_args(s3)), deadline))
+            resp = await self._storage.retry.run(f"part {number} of {self._key}", attempt)
         finally:
             self._running.discard(task)
         self._storage.stats.add(bytes_uploaded=part.getbuffer().nbytes)
