@@ -7,9 +7,9 @@ this rank) from its node's folder, checks that every copy has the committed size
 file that rotted is never made durable), and then commits the tag at the URL exactly as a direct save
 commits (:func:`async_ckpt.commit.commit`, through the job's c10d store under keys of its own): the
 manifest, then ``latest``, then ``keep_last`` retention. A drain that fails or is cut short leaves the
-URL's ``latest`` and committed tags as they were; where it fails, each rank removes what it copied and its
-start mark, as a failed write does (where that write was cut short, or the save overwrote a committed tag,
-the mark stays for ``async-ckpt gc``). The local tier keeps the tag, and the next ``save()``,
+URL's ``latest`` and committed tags as they were; where its ranks agree that it failed, each removes what
+it copied, and its start mark where that was all it left (else the mark stays for ``async-ckpt gc``; see
+:meth:`Drainer._remove_copies`). The local tier keeps the tag, and the next ``save()``,
 ``close()`` or ``wrap()`` drains it again (:func:`async_ckpt.tiers.undrained`), unless a later tag
 reached the URL first: that one supersedes it, and it stays on the local tier only.
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from async_ckpt import commit
+from async_ckpt.catalog import read_manifest
 from async_ckpt.errors import SaveFailedError
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Handshake, Outcome, brief
@@ -322,12 +323,25 @@ class Drainer:
                                       f"committed {entry.size}, {entry.crc32}): not made durable", tag=job.tag)
 
     def _remove_copies(self, job: DrainJob, copied: list[FileEntry], *, cut_short: bool) -> None:
-        """The tag aborted at the URL (no manifest can appear there): remove this rank's copies, then its
-        start mark, as a failed write does (:meth:`async_ckpt.writer.BackgroundWriter._fail`). The mark
-        stays for gc where a copy was cut short (what it left may be out of sight here) or the save
-        overwrote a committed tag (whose other files may stay in the folder)."""
+        """This attempt aborted at the URL: remove this rank's copies, then its start mark, as a failed
+        write does (:meth:`async_ckpt.writer.BackgroundWriter._fail`).
+
+        Unlike a write's, a drain's attempts share the save's id and file names, and an earlier attempt
+        may have committed the tag while this rank took it for failed (rank 0's manifest written after
+        this rank gave up waiting for it): where the URL holds a manifest of the tag, or it cannot be
+        read, nothing is removed. The mark stays for gc where what this attempt copied may not be all
+        the folder holds: a copy cut short, a save that overwrote a committed tag, or a drain that is
+        not the save's first attempt (a failed or killed attempt before it may have left more files)."""
         durable = self._target.durable
-        if commit.remove_files(durable, job.tag, copied) and copied and not (cut_short or job.overwrites):
+        try:
+            if read_manifest(durable, job.tag) is not None:
+                return
+        except Exception as exc:
+            logger.debug("kept the copies of %s at %s: its manifest there cannot be read (%s)", job.tag, durable.url,
+                         exc)
+            return
+        removed = commit.remove_files(durable, job.tag, copied)
+        if removed and not (cut_short or job.overwrites) and job.drain_id == job.manifest.save_id:
             try:
                 commit.unmark(durable, job.tag, self._rank)
             except Exception as exc:
