@@ -96,9 +96,11 @@ def _storages(obj: Any) -> list[torch.UntypedStorage]:
 
 
 def storage_order(obj: Any) -> list[int]:
-    """The data addresses of the tensor storages in ``obj``, in the order torch.save writes their records;
-    storages without bytes are left out (torch writes nothing for them)."""
-    return list(dict.fromkeys(s.data_ptr() for s in _storages(obj) if s.nbytes()))
+    """The data addresses of the host tensor storages in ``obj``, in the order torch.save writes their records;
+    storages without bytes are left out (torch writes nothing for them), and so are storages on a device
+    (a tensor that an object the snapshot deep-copied holds): torch.save writes a host copy of those, from
+    another address, and no staging copy fills them."""
+    return list(dict.fromkeys(s.data_ptr() for s in _storages(obj) if s.nbytes() and s.device.type == "cpu"))
 
 
 def in_place(obj: Any, relpath: str) -> StagedFile | None:

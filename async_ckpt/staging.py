@@ -467,6 +467,8 @@ class StagingPool:
             base = self._bases[slot] = self._carve(nbytes + PLACEMENT_ALIGN, pin_for in (None, self._reserve_pin))
             if pin_for is not None and nbytes and base[0] is not self._reserve:
                 self._helper_thread().submit(self._pinned.pin, base[0], base[2], pin_for).result()
+            if buf is not None:  # a later buffer at its address must not take its place in the file for its own
+                self._placements.pop(buf.data_ptr(), None)
             buf = None
             self.allocations += 1
         written_at = self._placements.get(buf.data_ptr()) if buf is not None else None
