@@ -131,12 +131,26 @@ def _gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _local_folder(value: str, flag: str) -> str:
+    """The local folder an output flag names (``file://`` stripped); :class:`UsageError` for another URL,
+    which a plain path would otherwise become: a folder named ``s3:`` here, the command reporting success."""
+    from async_ckpt.config import local_path
+    from async_ckpt.errors import UsageError
+
+    path = local_path(value)
+    if path is None:
+        raise UsageError(f"{flag} {value} is a URL; {flag} takes a local folder. Write there, then copy it to the "
+                         "object store (e.g. `aws s3 sync`)")
+    return path
+
+
 def _pull(args: argparse.Namespace) -> int:
     from async_ckpt.pull import pull
     from async_ckpt.resume import resolve
 
+    dest = _local_folder(args.dest, "--dest")
     storage = _storage(args)
-    report = pull(storage, resolve(storage, args.tag), args.dest, rank=args.rank,
+    report = pull(storage, resolve(storage, args.tag), dest, rank=args.rank,
                   max_concurrency=args.concurrency, show_progress=not args.json and not args.quiet)
     _emit(args, asdict(report), f"pulled {report.tag} into {report.dest}: {report.files_fetched} file(s) "
                                 f"({report.bytes_fetched / 1e9:.3f} GB) fetched, {report.files_skipped} already "
@@ -148,8 +162,9 @@ def _export(args: argparse.Namespace) -> int:
     from async_ckpt.export import export_hf
     from async_ckpt.resume import resolve
 
+    out = _local_folder(args.out, "--out")
     storage = _storage(args)
-    report = export_hf(storage, resolve(storage, args.tag), args.out, dtype=args.dtype,
+    report = export_hf(storage, resolve(storage, args.tag), out, dtype=args.dtype,
                        safetensors=args.safetensors, max_shard_bytes=int(args.max_shard_gb * 1e9),
                        show_progress=not args.json)
     _emit(args, asdict(report), f"exported {report.tag} to {report.out_dir}: {report.tensors} tensors, "

@@ -457,6 +457,20 @@ def test_an_output_folder_that_is_a_file_is_refused_naming_the_flag(argv, local_
     assert plain.read_text() == "x"
 
 
+@pytest.mark.parametrize("argv", [("export", "--out"), ("pull", "--dest")])
+def test_an_output_folder_given_as_an_object_store_url_is_refused_naming_the_flag(argv, local_root, capsys, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where a URL taken for a path would become a folder named 's3:'
+    code, _, err = run_cli(capsys, argv[0], str(local_root), argv[1], "s3://bucket/out")
+    assert code == 2 and f"{argv[1]} s3://bucket/out is a URL" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_pull_into_a_file_url_writes_into_the_folder_it_names(local_root, capsys, tmp_path):
+    code, _, _ = run_cli(capsys, "pull", str(local_root), "--dest", f"file://{tmp_path}/pulled", "--quiet")
+    assert code == 0 and (tmp_path / "pulled" / "latest").read_text() == "second"
+
+
 def test_to_universal_into_an_unwritable_out_fails_before_converting(local_root, capsys, tmp_path, monkeypatch):
     from async_ckpt import universal
 
