@@ -80,8 +80,13 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
         why = (f"{latest_name!r} cannot be read ({unreadable})" if unreadable else
                f"there is no {latest_name!r} file" if latest is None else
                f"{latest_name!r} names {latest!r}, which is not committed")
-        raise CheckpointNotFoundError(f"no committed {kind} at {storage.url}: {why}. Check the URL"
-                                      + (" or convert a checkpoint with `async-ckpt to-universal`" if universal else ""))
+        other = [t.tag for t in infos if t.committed and t.manifest.universal != universal]
+        hint = (" or convert a checkpoint with `async-ckpt to-universal`" if universal else "")
+        if other:  # the URL is right: it holds the other kind only, which is named by tag
+            hint = (f"; it holds {'ZeRO' if universal else 'universal'} checkpoint(s) only: "
+                    f"{', '.join(other[-3:])}. Name one by tag (--tag)")
+        raise CheckpointNotFoundError(f"no committed {kind} at {storage.url}: {why}"
+                                      + (hint if other else f". Check the URL{hint}"))
     if unreadable:
         why = f"{latest_name!r} cannot be read ({unreadable})"
     elif latest is None:

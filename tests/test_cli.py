@@ -398,6 +398,11 @@ def test_export_refuses_a_universal_tag_before_reading_it(capsys, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_root_of_universal_checkpoints_only_names_them_and_the_flag_when_no_tag_is_given(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "verify", _root_with(tmp_path, universal=True))
+    assert code == 2 and "it holds universal checkpoint(s) only: t. Name one by tag (--tag)" in err
+
+
 def test_to_universal_refuses_a_consolidated_tag_before_reading_it(capsys, tmp_path):
     code, _, err = run_cli(capsys, "to-universal", _root_with(tmp_path, consolidated=True), "--tag", "t", "--out",
                            str(tmp_path / "u"))
