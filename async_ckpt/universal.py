@@ -62,7 +62,7 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
     with tempfile.TemporaryDirectory(prefix="async_ckpt_universal_") as scratch:
         root = local_view(source, manifest, scratch, show_progress=show_progress)
         out_dir = os.path.join(scratch, "out", out_tag)
-        _run_ds_to_universal(os.path.join(root, manifest.tag), out_dir, workers)
+        _run_ds_to_universal(os.path.join(root, manifest.tag), out_dir, workers, f"tag {manifest.tag!r} of {source.url}")
         save_id = uuid.uuid4().hex
         mark_started(dest, out_tag, 0, save_id)  # a push cut short is then gc's to remove
         entries = _push(dest, out_tag, out_dir, os.path.join(root, manifest.tag), manifest)
@@ -80,7 +80,9 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
     return report
 
 
-def _run_ds_to_universal(input_folder: str, output_folder: str, workers: int) -> None:
+def _run_ds_to_universal(input_folder: str, output_folder: str, workers: int, what: str) -> None:
+    """DeepSpeed's converter on the local view ``input_folder`` of ``what`` (named in its failure: the view
+    is a temporary folder, gone by the time the error is read)."""
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", input_folder,
            "--output_folder", output_folder, "--num_extract_workers", str(workers),
            "--num_merge_workers", str(workers), "--inject_missing_state"]
@@ -89,7 +91,7 @@ def _run_ds_to_universal(input_folder: str, output_folder: str, workers: int) ->
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-2000:]
-        raise ConversionError(f"DeepSpeed's ds_to_universal failed (exit {done.returncode}) on {input_folder}:\n{tail}")
+        raise ConversionError(f"DeepSpeed's ds_to_universal failed (exit {done.returncode}) on {what}:\n{tail}")
     logger.debug("ds_to_universal output:\n%s", done.stdout[-4000:])
 
 

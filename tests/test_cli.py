@@ -489,6 +489,13 @@ def test_to_universal_into_an_unwritable_out_fails_before_converting(local_root,
     assert code == 2 and f"cannot write checkpoints to {plain / 'universal'}" in err
 
 
+def test_a_conversion_deepspeed_refuses_names_the_tag_and_root_not_its_temporary_copy(capsys, tmp_path):
+    root = _root_with(tmp_path)  # a committed tag without its shards: ds_to_universal finds no checkpoint
+    code, _, err = run_cli(capsys, "to-universal", root, "--tag", "t", "--out", str(tmp_path / "u"))
+    assert code != 0 and f"ds_to_universal failed (exit 1) on tag 't' of {root}" in err
+    assert "async_ckpt_universal_" not in err.splitlines()[0]
+
+
 def test_pull_shows_a_byte_progress_bar_on_stderr(local_root, capsys, tmp_path):
     code, out, err = run_cli(capsys, "pull", str(local_root), "--dest", str(tmp_path / "pulled"))
     assert code == 0 and "pulled second" in out
