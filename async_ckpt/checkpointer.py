@@ -866,8 +866,8 @@ class AsyncCheckpointer:
             folder = storage.local_dir()
             where = folder_identity(folder) if folder is not None else ("url", storage.url)
             mine = (where, engine._get_ckpt_name("", "tag")) if engine.save_non_zero_checkpoint else None
-            self._lower_rank_writes_model_states[storage.url] = (
-                mine is not None and mine in self._gather(mine)[:self.rank])
+            gathered = self._gather(mine)  # on every rank, those that write no model states too: a collective
+            self._lower_rank_writes_model_states[storage.url] = mine is not None and mine in gathered[:self.rank]
         return self._lower_rank_writes_model_states[storage.url]
 
     @contextlib.contextmanager

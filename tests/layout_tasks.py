@@ -525,6 +525,14 @@ def _node_local_engine(seed: int) -> Any:
     return engine
 
 
+def node_local_one_node_run(root: str) -> dict:
+    """``use_node_local_storage`` on one node of two ranks: DeepSpeed has its first rank (``LOCAL_RANK`` 0)
+    alone write the model-states file."""
+    out, engine = _layout_run(_node_local_engine, _gpt_step, root, "node_local_one_node")
+    out["writes_model_states"] = engine.save_non_zero_checkpoint
+    return out
+
+
 def node_local_run(root: str) -> dict:
     """``use_node_local_storage`` on two simulated nodes of one rank each (``LOCAL_RANK`` 0 on both
     ranks), sharing one folder: DeepSpeed has each node's first rank write the model-states file, so

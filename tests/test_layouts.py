@@ -154,6 +154,12 @@ def node_local(layout_ranks):
 
 
 @pytest.fixture(scope="module")
+def node_local_one_node(layout_ranks):
+    """DeepSpeed's ``use_node_local_storage`` on one node of two ranks."""
+    return layout_ranks.layout("node-local-one-node", "dp", layout_tasks.node_local_one_node_run)
+
+
+@pytest.fixture(scope="module")
 def four_ranks():
     yield from rank_group(4)
 
@@ -259,7 +265,7 @@ def pipeline_universal(pipeline, one_rank, s3):
 
 #: In this order, the module restarts its ranks only after each AutoTP run (see LayoutRanks).
 LAYOUTS = ["moe_zero0", "moe_zero2", "autoep", "autoep_zero3", "offload_zero2", "offload_zero3", "frozen", "node_local",
-           "autotp", "autotp_zero2", "autotp_zero3", "pipeline", "pipeline_zero0", "tp_pp"]
+           "node_local_one_node", "autotp", "autotp_zero2", "autotp_zero3", "pipeline", "pipeline_zero0", "tp_pp"]
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -609,6 +615,13 @@ def test_excluded_frozen_parameters_are_absent_from_both_checkpoints(frozen):
 
 
 # ---- node-local storage ----------------------------------------------------------------------
+
+def test_node_local_storage_on_one_node_saves_with_only_its_first_rank_writing_the_model_states(
+        node_local_one_node):
+    """The first save asks every rank, in one collective, whether a lower rank writes its model states:
+    a rank that writes none must take part too."""
+    assert [out["writes_model_states"] for out in node_local_one_node["ranks"]] == [True, False]
+
 
 def test_node_local_storage_on_a_shared_folder_has_only_the_lowest_rank_write_the_model_states(node_local):
     assert [out["writes_model_states"] for out in node_local["ranks"]] == [True, True]  # as DeepSpeed decides
