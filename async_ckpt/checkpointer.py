@@ -1190,9 +1190,9 @@ class AsyncCheckpointer:
         waited = self._await_buffers()
         self._session = _Session(storage, base=os.path.dirname(os.fspath(save_dir).rstrip("/")) or ".")
         entered = time.perf_counter()
-        try:
-            saved = type(self.engine).save_16bit_model(self.engine, save_dir, save_filename,
-                                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        try:  # DeepSpeed hands rank 0 alone the dict to save: where its snapshot fails, every rank raises
+            saved = self._gather_checked("to snapshot the 16-bit model", lambda: type(self.engine).save_16bit_model(
+                self.engine, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters))[self.rank]
             files, snapshot_s = self._session.files, self._session.snapshot_s
         finally:
             self._session = None

@@ -108,3 +108,35 @@ def consolidated_saves(stage: int, dtype: str, root: str, s3_url: str, s3_option
         if _rank() == 0:
             pull(ckpt.storage, read_manifest(ckpt.storage, "on_s3"), os.path.join(work, "pulled"), show_progress=False)
     return out
+
+
+class _UncopyableExtraState(torch.nn.Module):
+    """A model whose state dict holds an object no snapshot can copy (``get_extra_state``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def get_extra_state(self) -> object:
+        import threading
+
+        return threading.Lock()
+
+    def set_extra_state(self, state: object) -> None:
+        pass
+
+
+def save_16bit_model_whose_snapshot_fails_on_rank_0(root: str) -> dict:
+    """DeepSpeed hands the consolidated state dict to the checkpoint engine on rank 0 alone, where its
+    snapshot fails; every rank must then raise rather than the others wait in the save's collective."""
+    model = _UncopyableExtraState()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=workload.ds_config(2, "fp32"))
+    ckpt = async_ckpt.wrap(engine, root)
+    try:
+        return {"outcome": _outcome(lambda: engine.save_16bit_model(os.path.join(root, "export")))}
+    finally:
+        ckpt.close()

@@ -177,6 +177,13 @@ def test_save_16bit_model_under_zero3_without_gathering_returns_false_and_writes
     assert zero3["16bit_without_gather"] is False and zero3["16bit_without_gather_wrote"] is False
 
 
+def test_save_16bit_model_whose_snapshot_fails_on_rank_0_raises_on_every_rank(ranks, tmp_path):
+    first, second = ranks.run(consolidated_tasks.save_16bit_model_whose_snapshot_fails_on_rank_0, str(tmp_path),
+                              timeout_s=300)
+    assert first["outcome"][0] == "UsageError" and "cannot snapshot" in first["outcome"][1]
+    assert second["outcome"][0] == "StorageError" and "rank 0 failed" in second["outcome"][1]
+
+
 def test_close_gives_the_engine_its_own_save_16bit_model_back(run):
     assert run["save_16bit_model_restored"] is True
 
