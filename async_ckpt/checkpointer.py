@@ -78,6 +78,7 @@ class _View(NamedTuple):
     room: TierRoom | None  # with a local tier: this rank's bytes for it, and what its node folder has room for
     failure: tuple[str | None, str] | None  # what this rank would raise (on_error="raise")
     problem: str | None  # rank 0 only: why its checks of the storage failed
+    stuck: str | None  # why this rank could not wait for its earlier saves (WaitTimeoutError)
 
 
 class _Agreement(NamedTuple):
@@ -86,6 +87,7 @@ class _Agreement(NamedTuple):
     save_id: str
     local: bool  # the save goes to the local tier
     overwrites: bool  # the tag was committed and is uncommitted for this save
+    buffer_wait_s: float  # this rank's wait for the previous save to free the staging buffers
 
 
 @dataclass
@@ -265,7 +267,6 @@ class AsyncCheckpointer:
         tag = validate_tag(tag) if tag is not None else f"global_step{self.engine.global_steps}_consolidated"
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-        waited = self._await_buffers()
         agreed = self._agree(self.storage, tag)
         with self._handed_over_or_failed(self.storage, tag, agreed):
             entered = time.perf_counter()
@@ -284,7 +285,7 @@ class AsyncCheckpointer:
                 set_config_dtype(config, dtype)  # the weights' dtype, for from_pretrained
         return self._submit(self.storage, tag, agreed, files, CopyTicket([]), started, save_latest=False,
                             extras_dir=extras_dir, consolidated=True, max_shard_bytes=max_shard_bytes,
-                            metrics={"buffer_wait_s": waited, "gather_s": gathered - entered,
+                            metrics={"buffer_wait_s": agreed.buffer_wait_s, "gather_s": gathered - entered,
                                      "snapshot_s": snapshot_s})
 
     def load(self, tag: str | None = None, *, fallback: bool = False, load_optimizer_states: bool = True,
@@ -630,7 +631,6 @@ class AsyncCheckpointer:
         tag = validate_tag(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         if client_state is not None and not isinstance(client_state, Mapping):
             raise UsageError(f"client_state must be a dict, got {type(client_state).__name__}")
-        waited = self._await_buffers()
         agreed = self._agree(storage, tag, tiered=self._local is not None and storage is self.storage)
         target = self._local if agreed.local else storage
         with self._handed_over_or_failed(target, tag, agreed):
@@ -651,7 +651,7 @@ class AsyncCheckpointer:
             self._pool.release_stale()
             extras_dir = self._save_extras(agreed.save_id)
         return self._submit(target, tag, agreed, files, self._staging, started, save_latest=save_latest,
-                            extras_dir=extras_dir, metrics={"buffer_wait_s": waited, "snapshot_s": snapshot_s,
+                            extras_dir=extras_dir, metrics={"buffer_wait_s": agreed.buffer_wait_s, "snapshot_s": snapshot_s,
                                                             "deepspeed_overhead_s": deepspeed_s - snapshot_s})
 
     @contextlib.contextmanager
@@ -727,9 +727,10 @@ class AsyncCheckpointer:
         An earlier save's failure is raised here, after the collective, on every rank at once (with
         ``on_error="raise"``): the rank whose write failed knows it before the others learn it from
         the commit, and a rank that raised before the collective would leave the others waiting in it.
-        So does a failure of rank 0's checks of the storage.
+        So does a failure of rank 0's checks of the storage, and a rank's timeout waiting for its earlier
+        saves (of the tag, and the one whose staging buffers this save reuses), which it waits out first.
         """
-        self._await_saves_of(storage, tag)
+        waited, stuck = self._await_earlier_saves(storage, tag)
         proposal, problem, holding = None, None, []  # holding: the tiers with the tag's manifest (rank 0)
         room = tier_room(self._local.local_dir(), estimate_save_bytes(self.engine, self.world_size,
                                                                       self._pool.allocated_bytes),
@@ -749,7 +750,7 @@ class AsyncCheckpointer:
             except Exception as exc:  # raised below, on every rank
                 problem = exc
         views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),
-                                                brief(problem) if problem else None))
+                                                brief(problem) if problem else None, str(stuck) if stuck else None))
         if self._drainer is not None:  # every rank of the node is past any load before this save: it read its files
             self._drainer.resume_retention()
         found = views[0].proposal  # what rank 0 found, on every rank
@@ -759,6 +760,12 @@ class AsyncCheckpointer:
         if overwrites and self._drainer is not None:  # this save replaces the earlier one's files: no retry of it
             self._drainer.supersede(views[0].tag)
         self._surface_errors([v.failure for v in views])
+        if stuck is not None:
+            raise stuck
+        late = next(((rank, v.stuck) for rank, v in enumerate(views) if v.stuck), None)
+        if late is not None:
+            raise WaitTimeoutError(f"rank {late[0]} could not wait for its earlier saves, so no rank saves tag "
+                                   f"{tag!r}: {late[1]}")
         if problem is not None:
             raise problem
         if views[0].problem is not None:
@@ -798,7 +805,7 @@ class AsyncCheckpointer:
         if full and self.rank == 0:
             logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,
                            "; ".join(full), storage.url)
-        return _Agreement(save_id, tiered and not full, committed)
+        return _Agreement(save_id, tiered and not full, committed, waited)
 
     def _writes_synchronously(self, on_cpu: bool) -> bool:
         """``synchronous`` as configured; where it is ``None``, on for CPU training whose URL is in memory
@@ -1073,6 +1080,16 @@ class AsyncCheckpointer:
         if self._staging is not None:
             self._staging.wait()
 
+    def _await_earlier_saves(self, storage: Storage, tag: str) -> tuple[float, WaitTimeoutError | None]:
+        """This rank's earlier saves of ``tag`` settled (:meth:`_await_saves_of`) and the staging buffers free
+        (:meth:`_await_buffers`): the seconds waited for the buffers, and the timeout that cut either wait
+        short, which the caller raises on every rank after its collective."""
+        try:
+            self._await_saves_of(storage, tag)
+            return self._await_buffers(), None
+        except WaitTimeoutError as exc:
+            return 0.0, exc
+
     def _await_buffers(self) -> float:
         """The staging buffers are reused: wait until the previous save no longer reads them."""
         job = self._last_job
@@ -1187,7 +1204,9 @@ class AsyncCheckpointer:
             raise InvalidTagError(f"save_16bit_model(save_dir={save_dir!r}): its last folder is committed as a tag, "
                                   f"so it must be a valid tag name: {exc}") from exc
         storage = self._storage_for(root)
-        waited = self._await_buffers()
+        # before DeepSpeed's gather (collectives under ZeRO-3): a rank whose wait times out raises on every rank
+        waited = self._gather_checked("to wait for the previous save to free the staging buffers",
+                                      self._await_buffers)[self.rank]
         self._session = _Session(storage, base=os.path.dirname(os.fspath(save_dir).rstrip("/")) or ".")
         entered = time.perf_counter()
         try:  # DeepSpeed hands rank 0 alone the dict to save: where its snapshot fails, every rank raises

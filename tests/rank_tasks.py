@@ -223,6 +223,29 @@ def same_tensors(a, b) -> bool:
     return True
 
 
+def save_while_one_ranks_previous_write_is_stuck(root: str, gate: str) -> dict:
+    """Rank 1's write of 'first' is held past wait_timeout_s; 'second' cannot reuse its staging buffers there.
+    The timeout is raised on every rank, rank 0's naming rank 1, rather than rank 0 waiting alone in the save's
+    collective. The gate then opens and 'first' commits."""
+    from faulty_fs import register
+
+    register()
+    tokens = _tokens()
+    engine = workload.make_engine(2, "fp32")
+    workload.train(engine, 1, tokens, _rank())
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate, "gate_ranks": [1]},
+                           wait_timeout_s=3)
+    first = ckpt.save(tag="first")
+    workload.train(engine, 1, tokens, _rank())
+    out = {"second": _outcome(lambda: ckpt.save(tag="second"))}
+    dist.barrier()  # every rank has raised before the gate opens
+    if _rank() == 0:
+        open(gate, "w").close()
+    first.result(timeout=120)
+    ckpt.close()
+    return out
+
+
 def save_while_previous_persists(root: str, gate: str) -> dict:
     """A second save() while the first one's write is held waits for it, and each tag keeps its own step."""
     import threading

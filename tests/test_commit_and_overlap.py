@@ -121,6 +121,14 @@ def test_save_while_the_previous_one_persists_waits_for_its_write(second_save_du
         assert rank["buffer_wait_s"] > 0
 
 
+def test_a_rank_that_cannot_wait_for_its_previous_save_stops_the_next_save_on_every_rank(ranks, tmp_path):
+    first, second = ranks.run(rank_tasks.save_while_one_ranks_previous_write_is_stuck, str(tmp_path / "ckpt"),
+                              str(tmp_path / "gate"), timeout_s=300)
+    assert second["second"][0] == "WaitTimeoutError" and "rank 1: waited" in second["second"][1]
+    assert first["second"][0] == "WaitTimeoutError"
+    assert "rank 1 could not wait for its earlier saves, so no rank saves tag 'second'" in first["second"][1]
+
+
 def test_back_to_back_saves_never_mix_tensors_between_tags(second_save_during_first):
     for rank in second_save_during_first:
         assert rank["steps_differ"] is True
