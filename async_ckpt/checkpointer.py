@@ -305,14 +305,12 @@ class AsyncCheckpointer:
         """
         self._ensure_open()
         if self._local is not None and not self._loads_universal():
-            self._await_handles(self.config.effective_wait_timeout_s, local_only=True)  # drains go on meanwhile
-            # a drain still running may have failed on some ranks only so far: every rank raises, or none
-            self._surface_errors(self._gather(self._failure_to_report()))
+            self._settle_saves_before_load(local_only=True)  # drains go on meanwhile
             return self._load_tiered(None if tag is None else validate_tag(tag), fallback=fallback,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
                                      load_module_strict=load_module_strict)
-        self.wait()
+        self._settle_saves_before_load(local_only=False)
         manifest = self._agreed_manifest(f"to find the tag to load at {self.storage.url}",
                                          lambda: resolve(self.storage, tag, universal=self._loads_universal()))
         self._check_compatible(manifest)
@@ -1125,6 +1123,15 @@ class AsyncCheckpointer:
                         "be durable" if self._local is not None else "commit")
             self._bounded(handle.wait, tag, "the earlier save of the same tag to commit",
                           max(0.0, deadline - time.monotonic()))
+
+    def _settle_saves_before_load(self, *, local_only: bool) -> None:
+        """Before a load: every save so far committed (with ``local_only`` on its first tier: drains go on) or
+        failed, and a failure raised on every rank or on none. A rank whose wait times out, or that learned of
+        a failure before the others (a drain still running elsewhere), would otherwise raise alone, and the
+        others wait in the load's collectives until the process group's timeout."""
+        self._gather_checked("to wait for its saves before the load",
+                             lambda: self._await_handles(self.config.effective_wait_timeout_s, local_only=local_only))
+        self._surface_errors(self._gather(self._failure_to_report()))
 
     def _await_handles(self, timeout_s: float, *, local_only: bool = False, limit: str = "wait_timeout_s") -> None:
         """Every save so far committed (durably, or with ``local_only`` on its first tier) or failed,
