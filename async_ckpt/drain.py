@@ -57,6 +57,8 @@ class DrainJob:
     #: The save overwrote a committed tag: the URL's folder may hold that save's files besides this
     #: drain's copies, so a failed drain leaves its start mark there for gc, as a failed write does.
     overwrites: bool = False
+    #: Queued by close()'s last pass (:meth:`Drainer.retry_failed`): no save of this process drains it again.
+    last_in_process: bool = False
 
     @property
     def tag(self) -> str:
@@ -200,7 +202,7 @@ class Drainer:
                 continue
             # keyed by the save, not the attempt: ranks may have kept different attempts of one save
             retry = DrainJob(manifest=job.manifest, drain_id=f"{job.manifest.save_id}-retry", error=job.error,
-                             overwrites=job.overwrites,
+                             overwrites=job.overwrites, last_in_process=True,
                              handle=SaveHandle(tag=job.tag, url=job.handle.url, metrics=dict(job.handle.metrics)))
             retry.handle._commit_local(job.handle.local_result())
             self.submit(retry)
@@ -348,10 +350,12 @@ class Drainer:
                 logger.debug("could not remove the start mark of %s at %s: %s", job.tag, durable.url, exc)
 
     def _fail(self, job: DrainJob, error: str) -> None:
+        again = ("the next job's wrap() with this local_tier" if job.last_in_process
+                 else "the next save(), close() or wrap()")
         failure = SaveFailedError(f"tag {job.tag!r} is committed on the local tier but its drain to "
                                   f"{self._target.durable.url} failed: {error}. The durable tier's tags and 'latest' "
-                                  "are unchanged; the next save(), close() or wrap() drains it again, unless a later "
-                                  "tag reaches the URL first (it then stays on the local tier only)", tag=job.tag)
+                                  f"are unchanged; {again} drains it again, unless a later tag reaches the URL first "
+                                  "(it then stays on the local tier only)", tag=job.tag)
         logger.error("rank %d: %s", self._rank, failure)
         with self._lock:  # drains run in order: this attempt supersedes the tag's earlier failed ones
             self._forget_failures(job.tag)

@@ -180,7 +180,15 @@ def drain_fails_for_good(durable: str, work: str) -> dict:
     ckpt = _wrap_where_rank_1_cannot_drain(durable, work, on_error="warn")
     handle = ckpt.save(tag="first")
     out = {"local_committed": handle.wait_local(120), "drained": handle.exception(timeout=120) is None}
-    ckpt.close()
+    said: list[str] = []
+    listener = logging.Handler(logging.ERROR)
+    listener.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("async_ckpt").addHandler(listener)
+    try:
+        ckpt.close()  # its last pass drains 'first' again, and fails again
+    finally:
+        logging.getLogger("async_ckpt").removeHandler(listener)
+    out["said_at_close"] = [line[line.index("drains it again") - 60:] for line in said if "drains it again" in line]
     return out
 
 
