@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import statistics
@@ -47,7 +48,8 @@ WAYS = {"buffered": (False, 1), "direct": (True, 1), "direct x2": (True, 2)}
 def local_write_floor(nbytes: int, folder: str, samples: int = 1, train_step: Callable[[], None] | None = None,
                       device: torch.device | str = "cpu") -> dict[str, list[float]]:
     """Large sequential writes of ``nbytes`` plus fsync, every rank at once (as during a save): each way
-    of :data:`WAYS`, ``samples`` times, the ways taking turns; seconds by way.
+    of :data:`WAYS`, ``samples`` times, the ways taking turns; seconds by way, less the ways the filesystem
+    refuses (``O_DIRECT`` on tmpfs), which have no time.
 
     Why several samples: a write's time on a shared virtual disk varies by ±20 % from one to the next, so a
     single sample (the best of the ways') is a lucky draw that the median save, itself noisy, is held to.
@@ -67,7 +69,7 @@ def local_write_floor(nbytes: int, folder: str, samples: int = 1, train_step: Ca
     for _ in range(samples):
         for way, (direct, streams) in WAYS.items():
             seconds[way].append(_timed_write_s(nbytes, folder, direct=direct, streams=streams, training=training))
-    return seconds
+    return {way: times for way, times in seconds.items() if all(math.isfinite(t) for t in times)}
 
 
 def typical_and_best(seconds: dict[str, list[float]]) -> tuple[float, float]:
