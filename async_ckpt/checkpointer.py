@@ -170,18 +170,20 @@ class AsyncCheckpointer:
         self._previous_take_model_step = engine.__dict__.get("_take_model_step")
         try:
             self._start(on_cpu=torch.device(getattr(engine, "device", "cpu")).type == "cpu")
+            engine.checkpoint_engine = AsyncCheckpointEngine(self)
+            engine.save_checkpoint = self._engine_save_checkpoint
+            engine.save_16bit_model = self._engine_save_16bit_model
+            engine._take_model_step = self._engine_take_model_step
+            inflight.register(self)
         except BaseException:
-            # nothing of a wrap() that failed outlives it: its threads, memory, storage clients and folder
+            # nothing of a wrap() that failed outlives it: its threads, memory, storage clients and folder, and
+            # the engine's patches (a later wrap() would find it wrapped by a checkpointer nobody holds)
             if self._writer is not None:
                 self._writer.stop()  # idle: no save was queued
                 self._writer.join(self.config.effective_wait_timeout_s)
+            inflight.unregister(self)
             self._release()
             raise
-        engine.checkpoint_engine = AsyncCheckpointEngine(self)
-        engine.save_checkpoint = self._engine_save_checkpoint
-        engine.save_16bit_model = self._engine_save_16bit_model
-        engine._take_model_step = self._engine_take_model_step
-        inflight.register(self)
         logger.debug("rank %d: async_ckpt wraps %s, writing to %s", self.rank, type(engine).__name__, config.url)
 
     def _start(self, *, on_cpu: bool) -> None:
