@@ -973,14 +973,17 @@ class AsyncCheckpointer:
             value = compute()
         except Exception as exc:  # raised below, after the collective
             problem = exc
-        gathered = self._gather((value, brief(problem) if problem is not None else None))
+        gathered = self._gather((value, brief(problem) if problem is not None else None,
+                                 isinstance(problem, WaitTimeoutError)))
         if problem is not None:
             raise problem
-        failed = [(rank, text) for rank, (_, text) in enumerate(gathered) if text]
+        failed = [(rank, text, timed_out) for rank, (_, text, timed_out) in enumerate(gathered) if text]
         if failed:
-            rank, text = failed[0]
-            raise StorageError(f"rank {rank} failed {what} ({text}); see that rank's error for the fix")
-        return [v for v, _ in gathered]
+            rank, text, timed_out = failed[0]
+            # a peer's timeout is a timeout here too: code that waits longer and retries does so on every rank
+            raise (WaitTimeoutError if timed_out else StorageError)(
+                f"rank {rank} failed {what} ({text}); see that rank's error for the fix")
+        return [v for v, _, _ in gathered]
 
     def _gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (one collective on the training thread, as DeepSpeed's own load does)."""
@@ -1085,8 +1088,9 @@ class AsyncCheckpointer:
         (:meth:`_await_buffers`): the seconds waited for the buffers, and the timeout that cut either wait
         short, which the caller raises on every rank after its collective."""
         try:
+            waited = self._await_buffers()
             self._await_saves_of(storage, tag)
-            return self._await_buffers(), None
+            return waited, None
         except WaitTimeoutError as exc:
             return 0.0, exc
 

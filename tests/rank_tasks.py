@@ -224,9 +224,10 @@ def same_tensors(a, b) -> bool:
 
 
 def save_while_one_ranks_previous_write_is_stuck(root: str, gate: str) -> dict:
-    """Rank 1's write of 'first' is held past wait_timeout_s; 'second' cannot reuse its staging buffers there.
-    The timeout is raised on every rank, rank 0's naming rank 1, rather than rank 0 waiting alone in the save's
-    collective. The gate then opens and 'first' commits."""
+    """Rank 1's write of 'first' is held past wait_timeout_s; 'second', and then an export with
+    save_16bit_model, cannot reuse its staging buffers there. Each time the timeout is raised on every rank,
+    rank 0's naming rank 1, rather than rank 0 waiting alone in a collective. The gate then opens and 'first'
+    commits."""
     from faulty_fs import register
 
     register()
@@ -237,7 +238,8 @@ def save_while_one_ranks_previous_write_is_stuck(root: str, gate: str) -> dict:
                            wait_timeout_s=3)
     first = ckpt.save(tag="first")
     workload.train(engine, 1, tokens, _rank())
-    out = {"second": _outcome(lambda: ckpt.save(tag="second"))}
+    out = {"second": _outcome(lambda: ckpt.save(tag="second")),
+           "export": _outcome(lambda: engine.save_16bit_model(os.path.join(root, "export")))}
     dist.barrier()  # every rank has raised before the gate opens
     if _rank() == 0:
         open(gate, "w").close()

@@ -121,12 +121,26 @@ def test_save_while_the_previous_one_persists_waits_for_its_write(second_save_du
         assert rank["buffer_wait_s"] > 0
 
 
-def test_a_rank_that_cannot_wait_for_its_previous_save_stops_the_next_save_on_every_rank(ranks, tmp_path):
-    first, second = ranks.run(rank_tasks.save_while_one_ranks_previous_write_is_stuck, str(tmp_path / "ckpt"),
-                              str(tmp_path / "gate"), timeout_s=300)
+@pytest.fixture(scope="module")
+def one_rank_stuck(ranks, tmp_path_factory):
+    """Rank 1's previous write is held past wait_timeout_s while the ranks save, then export."""
+    root = tmp_path_factory.mktemp("one-rank-stuck")
+    return ranks.run(rank_tasks.save_while_one_ranks_previous_write_is_stuck, str(root / "ckpt"), str(root / "gate"),
+                     timeout_s=300)
+
+
+def test_a_rank_that_cannot_wait_for_its_previous_save_stops_the_next_save_on_every_rank(one_rank_stuck):
+    first, second = one_rank_stuck
     assert second["second"][0] == "WaitTimeoutError" and "rank 1: waited" in second["second"][1]
     assert first["second"][0] == "WaitTimeoutError"
     assert "rank 1 could not wait for its earlier saves, so no rank saves tag 'second'" in first["second"][1]
+
+
+def test_a_rank_that_cannot_wait_for_its_previous_save_stops_an_export_on_every_rank_as_a_timeout(one_rank_stuck):
+    first, second = one_rank_stuck
+    assert second["export"][0] == "WaitTimeoutError" and "rank 1: waited" in second["export"][1]
+    assert first["export"][0] == "WaitTimeoutError"
+    assert "rank 1 failed to wait for the previous save to free the staging buffers" in first["export"][1]
 
 
 def test_back_to_back_saves_never_mix_tensors_between_tags(second_save_during_first):

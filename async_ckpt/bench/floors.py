@@ -76,6 +76,8 @@ def typical_and_best(seconds: dict[str, list[float]]) -> tuple[float, float]:
     """The floor from :func:`local_write_floor`'s samples: the median of the way whose median is lowest
     (what this disk typically does at best, the statistic a save's median time to durable is held to), and
     the fastest sample of all (the luckiest draw)."""
+    if not seconds:
+        raise ValueError("the write floor has no samples: the filesystem refused every way of writing it")
     typical = min(statistics.median(times) for times in seconds.values())
     return typical, min(min(times) for times in seconds.values())
 

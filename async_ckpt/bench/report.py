@@ -51,8 +51,11 @@ def _floor_gbps(ranks: list[dict], seconds_key: str) -> float | None:
         return None
     samples_key = seconds_key.removesuffix("_s").removesuffix("_best") + "_samples"
     if samples_key in ranks[0]["floor"]:
+        ways = set.intersection(*(set(r["floor"][samples_key]) for r in ranks))  # those every rank could time
+        if not ways:
+            return None
         together = {way: [max(times) for times in zip(*(r["floor"][samples_key][way] for r in ranks))]
-                    for way in ranks[0]["floor"][samples_key]}
+                    for way in sorted(ways)}
         typical, best = floors.typical_and_best(together)
         seconds = best if seconds_key.endswith("_best_s") else typical
     else:
