@@ -651,7 +651,8 @@ class AsyncCheckpointer:
             self._pool.release_stale()
             extras_dir = self._save_extras(agreed.save_id)
         return self._submit(target, tag, agreed, files, self._staging, started, save_latest=save_latest,
-                            extras_dir=extras_dir, metrics={"buffer_wait_s": agreed.buffer_wait_s, "snapshot_s": snapshot_s,
+                            extras_dir=extras_dir, metrics={"buffer_wait_s": agreed.buffer_wait_s,
+                                                            "snapshot_s": snapshot_s,
                                                             "deepspeed_overhead_s": deepspeed_s - snapshot_s})
 
     @contextlib.contextmanager

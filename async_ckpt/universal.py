@@ -62,7 +62,8 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
     with tempfile.TemporaryDirectory(prefix="async_ckpt_universal_") as scratch:
         root = local_view(source, manifest, scratch, show_progress=show_progress)
         out_dir = os.path.join(scratch, "out", out_tag)
-        _run_ds_to_universal(os.path.join(root, manifest.tag), out_dir, workers, f"tag {manifest.tag!r} of {source.url}")
+        _run_ds_to_universal(os.path.join(root, manifest.tag), out_dir, workers,
+                             f"tag {manifest.tag!r} of {source.url}")
         save_id = uuid.uuid4().hex
         mark_started(dest, out_tag, 0, save_id)  # a push cut short is then gc's to remove
         entries = _push(dest, out_tag, out_dir, os.path.join(root, manifest.tag), manifest)
