@@ -169,6 +169,7 @@ def resume_after_losses_in_the_bucket(url: str, options: dict, cache_dir: str) -
                     os.utime(path, (hours_ago, hours_ago))
         dist.barrier()
         ckpt.load(tag="older")
+        dist.barrier()  # each rank prunes after its own load; one may still be removing it when the other is done
         out["first_after_it_was_old"] = os.path.isdir(first_save)
     return out
 
