@@ -149,9 +149,9 @@ def drain_fails_then_heals(durable: str, work: str, heal_by: str) -> dict:
     handle = ckpt.save(tag="first")
     out = {"local_committed": handle.wait_local(120) and handle.local_result().tag == "first",
            "drain_error": str(handle.exception(timeout=120)),
-           "durable_latest_after_failure": os.path.exists(os.path.join(durable, "latest")),
-           "gc_after_failure": collect_garbage(open_storage(durable), grace_s=0, dry_run=True).incomplete_tags}
-    dist.barrier()  # every rank's drain has ended
+           "durable_latest_after_failure": os.path.exists(os.path.join(durable, "latest"))}
+    dist.barrier()  # every rank's drain has ended, and removed what it copied: gc then sees a folder at rest
+    out["gc_after_failure"] = collect_garbage(open_storage(durable), grace_s=0, dry_run=True).incomplete_tags
     out["durable_files_after_failure"] = sorted(os.path.relpath(os.path.join(folder, name), durable)
                                                 for folder, _, names in os.walk(durable) for name in names)
     dist.barrier()  # no rank drains again (close) before every rank has looked
