@@ -21,7 +21,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Callable, Iterator
 
 from async_ckpt.errors import (CorruptManifestError, MissingFileError, StorageError, UnsupportedManifestError,
                                UsageError, VerificationError)
@@ -53,14 +53,22 @@ class PullReport:
 _LOCKS_DIR = ".async_ckpt-fetching"
 
 
-def _fetching(tag_dir: str, path: str) -> ContextManager[bool]:
+@contextlib.contextmanager
+def _fetching(tag_dir: str, path: str) -> Iterator[bool]:
     """An exclusive lock on fetching ``path`` into ``tag_dir`` (resume's cache, or a pull's destination): the
     ranks of a node that share a cache and need the same file (every rank's model states under ZeRO-1/2)
     fetch it once; the others wait, then find it cached. Pulls of the ranks into one destination, which
     share one partial file per file, likewise. Where the filesystem refuses locks, each fetches its own
-    copy as before."""
+    copy as before. The lock file, and its folders once empty, are removed with the lock."""
     parent, tag = os.path.split(os.path.normpath(tag_dir))
-    return file_lock(os.path.join(parent, _LOCKS_DIR, tag, f"fetching-{path.replace('/', '__')}.lock"))
+    locks = os.path.join(parent, _LOCKS_DIR, tag)
+    with file_lock(os.path.join(locks, f"fetching-{path.replace('/', '__')}.lock"), remove=True) as held:
+        yield held
+    for folder in (locks, os.path.dirname(locks)):
+        try:
+            os.rmdir(folder)
+        except OSError:  # another fetch's lock is in it, or it is gone already
+            return
 
 
 def download(storage: Storage, manifest: Manifest, entries: list[FileEntry], tag_dir: str, *,

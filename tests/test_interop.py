@@ -153,6 +153,12 @@ def test_pulls_into_one_dest_at_once_fetch_each_file_one_at_a_time(zero3, tmp_pa
     assert (tmp_path / zero3["tag"] / entry.path).read_bytes() == (zero3["local"] / zero3["tag"] / entry.path).read_bytes()
 
 
+def test_pull_leaves_no_lock_files_in_its_dest(zero3, capsys, tmp_path):
+    code, _, _ = run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(tmp_path), "--quiet")
+    assert code == 0 and (tmp_path / "latest").is_file()
+    assert [p.name for p in tmp_path.rglob("*") if "lock" in p.name or "fetching" in p.name] == []
+
+
 def test_pull_again_fetches_nothing(zero3, s3, capsys, tmp_path):
     args = ("pull", zero3["url"], "--endpoint", s3.endpoint, "--dest", str(tmp_path), "--json")
     run_cli(capsys, *args)

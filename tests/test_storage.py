@@ -124,6 +124,33 @@ def test_direct_writer_raises_the_error_of_a_background_write(tmp_path):
         os.close(fd)
 
 
+def test_a_removable_lock_excludes_every_holder_and_leaves_no_file(tmp_path):
+    """A holder that waited on a lock file its previous holder unlinked must not enter beside one that locked
+    the file created at the path since."""
+    path = str(tmp_path / "locks" / "one.lock")
+    inside, most, guard = 0, 0, threading.Lock()
+
+    def hold_often():
+        nonlocal inside, most
+        for _ in range(30):
+            with local_storage.file_lock(path, remove=True) as held:
+                assert held
+                with guard:
+                    inside += 1
+                    most = max(most, inside)
+                time.sleep(0.002)
+                with guard:
+                    inside -= 1
+
+    holders = [threading.Thread(target=hold_often) for _ in range(4)]
+    for thread in holders:
+        thread.start()
+    for thread in holders:
+        thread.join()
+    assert most == 1
+    assert os.listdir(tmp_path / "locks") == []
+
+
 @pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
 def test_failed_local_write_publishes_nothing(tmp_path, direct_io):
     storage = LocalStorage(str(tmp_path), direct_io=direct_io)

@@ -58,35 +58,68 @@ def make_folders(path: str, *, fsync: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def file_lock(path: str, *, shared: bool = False, create: bool = True) -> Iterator[bool]:
+def file_lock(path: str, *, shared: bool = False, create: bool = True, remove: bool = False) -> Iterator[bool]:
     """Hold ``flock`` on the file ``path`` (shared or exclusive) for the block; yield whether it is held.
 
     Processes on one machine (the ranks of a node) order their work on a folder by it. Where the file
     is missing and ``create`` is false, or the filesystem refuses locks (some network filesystems),
     the block runs without one: callers treat a lock as narrowing a race, never as needed to proceed.
     On NFS, Linux emulates ``flock`` with POSIX locks, which are per process: threads of one process
-    do not exclude each other there."""
-    fd = None
-    try:
-        if create:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        # open for writing where the lock is exclusive: NFS emulates flock with POSIX locks, which need it
-        fd = os.open(path, (os.O_RDONLY if shared else os.O_RDWR) | (os.O_CREAT if create else 0), 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-    except BaseException as exc:  # an interrupt while waiting closes the file too
-        if fd is not None:
-            os.close(fd)
-            fd = None
-        if not isinstance(exc, OSError):
-            raise
-        if create or exc.errno != errno.ENOENT:
-            logger.debug("no lock on %s (%s)", path, exc)
+    do not exclude each other there.
+
+    With ``remove`` (an exclusive lock on one piece of work, such as a file's fetch) the lock file is
+    unlinked while still held, so none is left behind. A process that waited on the unlinked file
+    finds it no longer at ``path`` once it holds it, and locks the file there now instead."""
+    fd = _locked(path, shared=shared, create=create, remove=remove)
     try:
         yield fd is not None
     finally:
         if fd is not None:
+            if remove:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             fcntl.flock(fd, fcntl.LOCK_UN)  # not only by closing: a child forked meanwhile shares the file
             os.close(fd)
+
+
+_LOCK_ATTEMPTS = 100  # of a removable lock, each lost to a holder that unlinked the file (or its folder)
+
+
+def _locked(path: str, *, shared: bool, create: bool, remove: bool) -> int | None:
+    """The open file ``path``, locked; None where it cannot be (see :func:`file_lock`)."""
+    for _ in range(_LOCK_ATTEMPTS if remove else 1):
+        fd = None
+        try:
+            if create:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            # open for writing where the lock is exclusive: NFS emulates flock with POSIX locks, which need it
+            fd = os.open(path, (os.O_RDONLY if shared else os.O_RDWR) | (os.O_CREAT if create else 0), 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        except BaseException as exc:  # an interrupt while waiting closes the file too
+            if fd is not None:
+                os.close(fd)
+            if not isinstance(exc, OSError):
+                raise
+            if remove and create and exc.errno == errno.ENOENT:
+                continue  # the folder went with another holder's file between makedirs and open
+            if create or exc.errno != errno.ENOENT:
+                logger.debug("no lock on %s (%s)", path, exc)
+            return None
+        if not remove or _is_at(fd, path):
+            return fd
+        os.close(fd)  # the holder this waited for unlinked it
+    logger.debug("no lock on %s (lost to other holders %d times)", path, _LOCK_ATTEMPTS)
+    return None
+
+
+def _is_at(fd: int, path: str) -> bool:
+    """Whether the open file ``fd`` is the file named ``path`` now."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
 
 _ALIGN = 4096  # block size the bounce buffers are written in before the device's own is known
