@@ -150,7 +150,7 @@ def _worker(tasks: Any, results: Any, owner: int, environ: dict[str, str] | None
 
         timeout = datetime.timedelta(seconds=float(os.environ.get("ASYNC_CKPT_PG_TIMEOUT_S", "300")))
         deepspeed.init_distributed(dist_backend=backend_for(os.environ["DS_ACCELERATOR"]), timeout=timeout)
-        results.put((rank, True, None))
+        results.put((rank, True, bytes(ForkingPickler.dumps(None))))  # as every answer: pickled here
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -161,12 +161,12 @@ def _worker(tasks: Any, results: Any, owner: int, environ: dict[str, str] | None
         fn, args, kwargs = item
         try:
             result = fn(*args, **kwargs)
-            try:  # the queue pickles in a thread of its own, which drops what fails: the caller would wait in vain
-                ForkingPickler.dumps(result)
+            try:  # here, not by the queue: its feeder thread drops what fails, and the caller would wait in vain
+                pickled = bytes(ForkingPickler.dumps(result))
             except Exception as exc:
                 raise TypeError(f"{getattr(fn, '__name__', fn)} returned a {type(result).__name__}, which cannot be "
                                 f"sent back from the rank ({exc}); return plain data") from exc
-            results.put((rank, True, result))
+            results.put((rank, True, pickled))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     import torch.distributed as dist
@@ -255,7 +255,7 @@ class RankGroup:
             if not ok and failure is None:
                 failure = f"{what} failed on rank {rank}:\n{value}"
                 deadline = min(deadline, time.monotonic() + 20)  # its peers are likely stuck in a collective
-            results[rank] = value
+            results[rank] = ForkingPickler.loads(value) if ok else value
         if failure:
             raise RankError(failure, partial=results)
         return [results[r] for r in range(self.world_size)]
