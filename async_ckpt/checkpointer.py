@@ -1212,15 +1212,23 @@ class AsyncCheckpointer:
         self._ensure_open()
         started = time.perf_counter()
         root, tag = _normalize(os.fspath(save_dir)).rsplit("/", 1)
+        root = root or "/"  # a folder at the top of the filesystem: its parent is "/", not the working directory
         try:
             tag = validate_tag(tag)
         except InvalidTagError as exc:  # the user named a folder, not a tag
             raise InvalidTagError(f"save_16bit_model(save_dir={save_dir!r}): its last folder is committed as a tag, "
                                   f"so it must be a valid tag name: {exc}") from exc
-        storage = self._storage_for(root)
-        # before DeepSpeed's gather (collectives under ZeRO-3): a rank whose wait times out raises on every rank
-        waited = self._gather_checked("to wait for the previous save to free the staging buffers",
-                                      self._await_buffers)[self.rank]
+        opened: list[Storage] = []
+
+        def open_and_wait() -> float:
+            opened.append(self._opened(root))
+            return self._await_buffers()
+
+        # before DeepSpeed's gather (collectives under ZeRO-3): a rank whose storage fails its probe, or whose
+        # wait times out, raises on every rank
+        waited = self._gather_checked(f"to open {root} (the export's root), or to wait for the previous save to "
+                                      "free the staging buffers", open_and_wait)[self.rank]
+        storage = opened[0]
         self._session = _Session(storage, base=os.path.dirname(os.fspath(save_dir).rstrip("/")) or ".")
         entered = time.perf_counter()
         try:  # DeepSpeed hands rank 0 alone the dict to save: where its snapshot fails, every rank raises
@@ -1239,7 +1247,17 @@ class AsyncCheckpointer:
         return True
 
     def _storage_for(self, url: str) -> Storage:
-        """The storage of a root other saves may share (save_dir of DeepSpeed's calls): opened and probed once."""
+        """The storage of ``url`` (save_dir of DeepSpeed's ``save_checkpoint``), opened on every rank: where its
+        probe fails on any rank, every rank raises after one collective, rather than that rank alone before
+        the save's own. wrap()'s URL needs no collective: wrap() opened it on every rank."""
+        if _normalize(url) == _normalize(self.config.url):
+            return self.storage
+        opened: list[Storage] = []
+        self._gather_checked(f"to open {url}", lambda: opened.append(self._opened(url)))
+        return opened[0]
+
+    def _opened(self, url: str) -> Storage:
+        """The storage of a root other saves may share: opened and probed once (on this rank)."""
         key = _normalize(url)
         storage = self._storages.get(key)
         if storage is None:

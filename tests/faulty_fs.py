@@ -9,7 +9,9 @@ writes of ``*.pt`` files fail), ``fail_match`` (only those whose path contains t
 before every write of a ``*.pt`` file, on every rank), ``fail_rm`` (deletions of paths containing this fail: permission denied),
 ``fail_ls_ranks`` (ranks whose folder listings fail: an I/O error), ``stale_ranks``, ``stale_latest`` and
 ``stale_hidden`` (those ranks read ``stale_latest`` from every ``latest`` file and do not see ``stale_hidden`` in
-folder listings, as a client whose NFS cache predates that tag's commit would).
+folder listings, as a client whose NFS cache predates that tag's commit would), ``deny_ranks`` and ``deny_match``
+(those ranks may not open for writing any path containing ``deny_match``: permission denied, as on a node whose
+mount of that folder is read-only).
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ class FaultyFileSystem(LocalFileSystem):
     def __init__(self, gate: str | None = None, gate_ranks=None, gate_match: str = ".pt.", fail_ranks=(),
                  fail_match: str = "", fail_errno: str = "ENOSPC", fail_after_bytes: int = 0, latency_s: float = 0.0, fail_rm: str | None = None,
                  fail_ls_ranks=(), stale_ranks=(), stale_latest: str | None = None, stale_hidden: str | None = None,
-                 **kwargs) -> None:
+                 deny_ranks=(), deny_match: str | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.deny_ranks = set(deny_ranks)
+        self.deny_match = deny_match
         self.stale_ranks = set(stale_ranks)
         self.stale_latest = stale_latest
         self.stale_hidden = stale_hidden
@@ -109,6 +113,9 @@ class FaultyFileSystem(LocalFileSystem):
         self.rm(path)
 
     def open(self, path, mode="rb", **kwargs):
+        if ("w" in mode and int(os.environ.get("RANK", "0")) in self.deny_ranks and self.deny_match
+                and self.deny_match in str(path)):
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
         stream = super().open(path, mode, **kwargs)
         return _FaultyWriter(stream, self, path) if "w" in mode else stream
 

@@ -223,6 +223,23 @@ def same_tensors(a, b) -> bool:
     return True
 
 
+def save_into_a_folder_one_rank_may_not_write(root: str) -> dict:
+    """engine.save_checkpoint and save_16bit_model into a folder other than wrap()'s, which rank 1 may not write:
+    its storage's probe fails there alone, and every rank raises rather than the others wait in a collective."""
+    from faulty_fs import register
+
+    register()
+    engine = workload.make_engine(2, "fp32")
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}/main",
+                           storage_options={"deny_ranks": [1], "deny_match": "/elsewhere"})
+    try:
+        return {"save_checkpoint": _outcome(lambda: engine.save_checkpoint(f"faulty://{root}/elsewhere", tag="t")),
+                "save_16bit_model": _outcome(lambda: engine.save_16bit_model(f"faulty://{root}/elsewhere/export")),
+                "then": _outcome(lambda: ckpt.save(tag="after").result(timeout=120))}
+    finally:
+        ckpt.close()
+
+
 def save_while_one_ranks_previous_write_is_stuck(root: str, gate: str) -> dict:
     """Rank 1's write of 'first' is held past wait_timeout_s; 'second', and then an export with
     save_16bit_model, cannot reuse its staging buffers there. Each time the timeout is raised on every rank,

@@ -140,7 +140,27 @@ def test_a_rank_that_cannot_wait_for_its_previous_save_stops_an_export_on_every_
     first, second = one_rank_stuck
     assert second["export"][0] == "WaitTimeoutError" and "rank 1: waited" in second["export"][1]
     assert first["export"][0] == "WaitTimeoutError"
-    assert "rank 1 failed to wait for the previous save to free the staging buffers" in first["export"][1]
+    assert "rank 1 failed to open" in first["export"][1]
+    assert "or to wait for the previous save to free the staging buffers" in first["export"][1]
+
+
+@pytest.fixture(scope="module")
+def one_rank_denied(ranks, tmp_path_factory):
+    """The engine's saves into a folder other than wrap()'s, which rank 1 may not write."""
+    return ranks.run(rank_tasks.save_into_a_folder_one_rank_may_not_write, str(tmp_path_factory.mktemp("denied")),
+                     timeout_s=300)
+
+
+@pytest.mark.parametrize("call", ["save_checkpoint", "save_16bit_model"])
+def test_a_save_folder_one_rank_cannot_write_fails_the_save_on_every_rank_naming_that_rank(one_rank_denied, call):
+    first, second = one_rank_denied
+    assert second[call][0] == "StorageError" and "cannot write checkpoints to" in second[call][1]
+    assert first[call][0] == "StorageError" and "rank 1 failed to open" in first[call][1]
+    assert "Permission denied" in first[call][1]
+
+
+def test_saves_go_on_after_a_save_folder_one_rank_cannot_write(one_rank_denied):
+    assert [rank["then"] for rank in one_rank_denied] == [None, None]
 
 
 def test_back_to_back_saves_never_mix_tensors_between_tags(second_save_during_first):
