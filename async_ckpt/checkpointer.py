@@ -796,8 +796,10 @@ class AsyncCheckpointer:
                 logger.warning("overwriting committed tag %s at %s: it is uncommitted until this save commits", tag,
                                storage.url)
                 for tier in holding:  # marked first: if the job dies before this save commits, gc knows it for ours
-                    commit.mark_started(tier, tag, 0, save_id)
-                    tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
+                    # not while a commit's retention pass, which may have listed the tag as committed, runs there
+                    with tier.after_commit_lock:
+                        commit.mark_started(tier, tag, 0, save_id)
+                        tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
             self._gather_checked(f"to uncommit tag {tag!r}, which this save overwrites", uncommit)
         # decided per node folder, from the bytes all its ranks will write: the same on every rank
         rooms = [(node, node_has_room(self._local.local_dir(), [views[r].room for r in node.ranks],

@@ -301,8 +301,20 @@ def _write_recovery_scripts(storage: Storage) -> None:
             storage.write_bytes(script, data)
         local_root = storage.local_dir()
         if local_root:
-            target = os.path.join(local_root, script)
-            os.chmod(target, os.stat(target).st_mode | 0o111)
+            _make_executable(os.path.join(local_root, script))
+
+
+def _make_executable(path: str) -> None:
+    """Add the execute bits DeepSpeed leaves on a recovery script. Where the filesystem refuses (SMB and
+    Azure file shares, a script another user owns in a shared root) it is logged, not raised, as
+    DeepSpeed does: the script still runs with ``python``, and failing the save over it would leave no
+    checkpoint at all."""
+    try:
+        mode = os.stat(path).st_mode
+        if mode & 0o111 != 0o111:
+            os.chmod(path, mode | 0o111)
+    except OSError as exc:
+        logger.warning("could not make %s executable (%s); run it with python", path, exc)
 
 
 def _manifest(job: SaveJob, entries: list[FileEntry]) -> Manifest:
@@ -368,6 +380,22 @@ def _later_save_named_by_latest(job: SaveJob, manifest: Manifest) -> str | None:
     return named
 
 
+def _still_committed(storage: Storage, listed: Manifest) -> bool:
+    """Whether the tag of ``listed`` still holds that save's manifest: a save that overwrites the tag (on
+    rank 0's training thread, and another rank's writer) may have uncommitted it since the listing, and
+    committed its own files, which retention must not delete."""
+    try:
+        now = read_manifest(storage, listed.tag)
+    except Exception as exc:  # unreadable now: left for a later pass to judge
+        logger.info("retention: leaving %s at %s, whose manifest cannot be read now (%s)", listed.tag, storage.url,
+                    exc)
+        return False
+    if now is None or now.save_id != listed.save_id:
+        logger.info("retention: leaving %s at %s, saved again since it was listed", listed.tag, storage.url)
+        return False
+    return True
+
+
 def always_allowed() -> ContextManager[bool]:
     """The retention guard of a pass that nothing pauses."""
     return contextlib.nullcontext(True)
@@ -394,6 +422,8 @@ def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: 
                 logger.info("retention: leaving %s at %s while a load may read it; a later commit deletes it",
                             info.tag, storage.url)
                 break
+            if not _still_committed(storage, info.manifest):
+                continue
             logger.info("retention: deleting committed tag %s (keep_last=%d)", info.tag, keep_last)
             delete_tag(storage, info.tag)
         deleted.append(info.tag)

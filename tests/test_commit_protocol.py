@@ -7,6 +7,8 @@ store and one storage, for the races between ranks, which need timing no trainin
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import threading
@@ -284,6 +286,22 @@ def test_retention_keeps_a_tag_in_another_versions_format(tmp_path):
         commit_by_hand(storage, tag, step)
     assert apply_retention(storage, "c", keep_last=1) == ["b"]
     assert (tmp_path / "a" / MANIFEST).is_file()
+
+
+def test_retention_leaves_a_tag_saved_again_after_it_was_listed(tmp_path):
+    """A save that overwrites a tag (overwrite_tags) may uncommit and commit it again while another commit's
+    retention pass, which listed the earlier save of it as the oldest, runs."""
+    storage = open_storage(str(tmp_path))
+    for step, tag in enumerate(["a", "b", "c"], start=1):
+        commit_by_hand(storage, tag, step)
+
+    @contextlib.contextmanager
+    def saved_again_meanwhile():
+        commit_by_hand(storage, "a", 99, save_id="the save that overwrote a")
+        yield True
+
+    assert apply_retention(storage, "c", keep_last=2, allowed=saved_again_meanwhile) == []
+    assert read_manifest(storage, "a").save_id == "the save that overwrote a"
 
 
 def test_resume_refuses_a_latest_in_another_versions_format_rather_than_take_an_older_tag(tmp_path):
@@ -790,6 +808,20 @@ def test_a_drained_manifest_keeps_the_time_of_its_save(tmp_path):
 
 
 # ---------------------------------------------------------------- DeepSpeed's recovery scripts
+
+
+def test_a_recovery_script_the_filesystem_will_not_make_executable_does_not_fail_the_commit(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """As on SMB and Azure file shares, or a script another user owns in a shared root."""
+    from async_ckpt.commit import _write_recovery_scripts
+
+    def refused(path, mode):
+        raise PermissionError(errno.EPERM, "Operation not permitted", path)
+
+    monkeypatch.setattr(os, "chmod", refused)
+    _write_recovery_scripts(open_storage(str(tmp_path)))
+    assert (tmp_path / "zero_to_fp32.py").is_file()
+    assert "could not make" in caplog.text and "run it with python" in caplog.text
 
 
 def test_recovery_scripts_already_in_the_root_are_left_as_they_are(tmp_path):
