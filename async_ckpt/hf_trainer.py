@@ -33,6 +33,8 @@ leave out ``_*``). The cost is the previous save's commit time
 (markers and a manifest), paid only when saves come faster than storage absorbs them.
 ``save_total_limit=1`` is refused: Trainer would delete the last committed checkpoint as soon as
 the next save is snapshotted, and a crash before that one commits would leave nothing to resume.
+So is 2 with ``metric_for_best_model`` set: Trainer keeps the best checkpoint beside the newest then,
+and a crash would leave only the best, older one.
 
 **ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save``.** Trainer's ``save_model`` then
 calls ``save_checkpoint`` into the checkpoint folder, and ``_save_optimizer_and_scheduler`` calls it
@@ -98,10 +100,17 @@ class AsyncCheckpointCallback(TrainerCallback):
             raise UsageError(f"hub_strategy={HubStrategy(args.hub_strategy).value!r} uploads each checkpoint folder "
                              "right after the save returns, before async_ckpt has written it: use "
                              "hub_strategy='every_save' or 'end'")
-        if args.save_total_limit == 1:
-            raise UsageError("save_total_limit=1 lets Trainer delete the last committed checkpoint as soon as the next "
-                             "save is snapshotted, while that one is still being written: a crash then leaves nothing "
-                             "to resume from. Use save_total_limit=2 or more (or None)")
+        # Trainer's rotation keeps the newest folder (still being written) and the best one: the committed
+        # checkpoint before the newest needs a place of its own beside them
+        tracks_best = args.metric_for_best_model is not None
+        fewest = 3 if tracks_best else 2
+        if args.save_total_limit is not None and 0 < args.save_total_limit < fewest:
+            raise UsageError(f"save_total_limit={args.save_total_limit} lets Trainer delete the last committed "
+                             "checkpoint as soon as the next save is snapshotted, while that one is still being "
+                             f"written{', keeping only it and the best checkpoint' if tracks_best else ''}: a crash "
+                             f"then leaves {'only the best, older checkpoint' if tracks_best else 'nothing'} to resume "
+                             f"from. Use save_total_limit={fewest} or more (or None)"
+                             f"{' with metric_for_best_model set' if tracks_best else ''}")
         if not trainer.is_deepspeed_enabled:
             raise UsageError("this Trainer does not train with DeepSpeed: pass TrainingArguments(deepspeed=ds_config) "
                              "(a dict or a JSON path), and do not set use_cpu=True, which turns DeepSpeed off")
