@@ -85,7 +85,9 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
     moved: list[str] = []
     try:
         os.makedirs(partial)
-        with _held(partial), tempfile.TemporaryDirectory(prefix="async_ckpt_export_") as scratch:
+        # a scratch folder that cannot be removed must not fail (and so remove) an export already in place
+        with _held(partial), tempfile.TemporaryDirectory(prefix="async_ckpt_export_",
+                                                         ignore_cleanup_errors=True) as scratch:
             _clear_killed_exports(out_dir, partial)
             if _others(out_dir, partial):
                 raise UsageError(f"--out {out_dir} is not empty; export into a new or empty folder")
@@ -93,9 +95,11 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
             with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress prints; stdout is for --json
                 try:
                     state = get_fp32_state_dict_from_zero_checkpoint(root, tag=manifest.tag)
-                except NotImplementedError as exc:  # DeepSpeed's refusal of a layout (AutoEP under ZeRO-3)
-                    raise ConversionError(f"DeepSpeed's zero_to_fp32 cannot consolidate tag {manifest.tag!r}: "
-                                          f"{exc}") from exc
+                except (NotImplementedError, ValueError) as exc:  # its refusal of a layout: AutoEP under ZeRO-3;
+                    # BF16_Optimizer's files (bf16 with fp32 gradient accumulation, MoE), "not a zero checkpoint"
+                    raise ConversionError(f"DeepSpeed's zero_to_fp32 cannot consolidate tag {manifest.tag!r}: {exc}. "
+                                          "`async-ckpt to-universal` converts the layouts ds_to_universal "
+                                          "reads") from exc
             report = ExportReport(tag=manifest.tag, out_dir=out_dir, dtype=dtype)
             tensors, report.tied_aliases = without_aliases(state)
             _write_shards(cast(tensors, dtype), partial, safetensors, max_shard_bytes, report)

@@ -604,6 +604,18 @@ def test_autoep_zero3_export_is_zero_to_fp32s_own_refusal(autoep_zero3, capsys, 
     assert not (tmp_path / "hf").exists()
 
 
+def test_moe_zero2_export_is_zero_to_fp32s_own_refusal_as_a_conversion_error(moe_zero2, capsys, tmp_path):
+    """BF16_Optimizer's files, which zero_to_fp32 takes for no ZeRO checkpoint (ValueError)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with pytest.raises(ValueError):
+        get_fp32_state_dict_from_zero_checkpoint(str(moe_zero2["root"] / "stock"), tag=TAG)
+    code = cli(["export", str(moe_zero2["root"] / "async"), "--tag", TAG, "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot consolidate tag" in err and "to-universal" in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()
+
+
 # ---- frozen parameters ------------------------------------------------------------------------
 
 def test_excluded_frozen_parameters_are_absent_from_both_checkpoints(frozen):
