@@ -167,7 +167,12 @@ class AsyncCheckpointCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self.close()
+        try:  # a save still in flight that fails (the last one, where training ended on a step that saved
+            # nothing, as with save_strategy="best") is set aside too, out of the next run's rotation
+            if self.checkpointer is not None:
+                self._wait_for_saves(self.checkpointer)
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Wait until every save is committed, stop the writer and give the engine its own ``save_checkpoint``.
