@@ -68,7 +68,7 @@ def register(checkpointer: "AsyncCheckpointer") -> None:
         _OPEN.add(checkpointer)
         if not _HOOKED:
             _hook_deepspeed_readers()
-            _hook(dist, "destroy_process_group", only_if=_ends_the_default_group)
+            _hook(dist, "destroy_process_group", only_if=_ends_the_default_group, even_if_waiting_fails=True)
             threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]
             os.register_at_fork(after_in_child=_OPEN.clear)
             _HOOKED = True
@@ -124,25 +124,35 @@ def _ends_the_default_group(group: Any = None) -> bool:
     return group is None or group == dist.GroupMember.WORLD
 
 
-def _waiting_first(fn: Callable[..., Any], only_if: Callable[..., bool] | None = None) -> Callable[..., Any]:
+def _waiting_first(fn: Callable[..., Any], only_if: Callable[..., bool] | None = None, *,
+                   even_if_waiting_fails: bool = False) -> Callable[..., Any]:
+    """``fn`` that waits for every save first. With ``even_if_waiting_fails``, ``fn`` runs where the wait
+    raises too (a failed save, a timeout), before that error is raised: a script's ``finally:
+    destroy_process_group()`` must still end the group, whatever a save did."""
     @functools.wraps(fn)
     def hooked(*args: Any, **kwargs: Any) -> Any:
         if only_if is None or only_if(*args, **kwargs):
-            wait_all()
+            try:
+                wait_all()
+            except BaseException:
+                if even_if_waiting_fails:
+                    fn(*args, **kwargs)
+                raise
         return fn(*args, **kwargs)
 
     hooked.__wrapped_by_async_ckpt__ = True  # type: ignore[attr-defined]
     return hooked
 
 
-def _hook(owner: Any, name: str, only_if: Callable[..., bool] | None = None) -> None:
+def _hook(owner: Any, name: str, only_if: Callable[..., bool] | None = None, *,
+          even_if_waiting_fails: bool = False) -> None:
     """Replace ``owner.name`` with a version that waits first (when ``only_if(*args, **kwargs)``, if given);
     for a module function, rebind too every module that took the function with ``from ... import``
     before (a test or script imported earlier)."""
     original = getattr(owner, name, None)
     if original is None or getattr(original, "__wrapped_by_async_ckpt__", False):
         return
-    hooked = _waiting_first(original, only_if)
+    hooked = _waiting_first(original, only_if, even_if_waiting_fails=even_if_waiting_fails)
     setattr(owner, name, hooked)
     if isinstance(owner, types.ModuleType):
         for module in list(sys.modules.values()):

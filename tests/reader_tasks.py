@@ -205,6 +205,19 @@ def save_then_destroy_the_process_group(root: str) -> dict:
     return {"in_flight": in_flight, "latest": _read_latest(root), **_tag_state(root, "before_destroy")}
 
 
+def save_failing_then_destroy_the_process_group(root: str) -> dict:
+    """A save whose write fails (on_error="raise"), then ``destroy_process_group()`` as a script's ``finally:``
+    runs it: the failure is raised, and the group is destroyed even so."""
+    from rank_tasks import _outcome
+
+    register_faulty()
+    engine = workload.make_engine(2, "fp32")
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"fail_ranks": [0, 1]}, on_error="raise")
+    ckpt.save(tag="failing")
+    raised = _outcome(dist.destroy_process_group)
+    return {"raised": raised, "group_left": dist.is_initialized()}
+
+
 #: How long :func:`save_and_exit` lets its forked child take to end (one that waited for the parent's
 #: save would take seconds, as long as the slow save).
 FORKED_CHILD_WAIT_S = 20

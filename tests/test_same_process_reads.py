@@ -157,6 +157,16 @@ def test_destroying_the_process_group_right_after_save_waits_for_the_commit(rank
         assert rank["latest"] == "before_destroy" and rank["committed"] and rank["verified"]
 
 
+def test_destroying_the_process_group_after_a_failed_save_raises_the_failure_and_destroys_it(ranks, tmp_path):
+    try:
+        out = ranks.run(reader_tasks.save_failing_then_destroy_the_process_group, str(tmp_path / "ckpt"))
+    finally:
+        ranks.restart()
+    for rank in out:
+        assert rank["raised"][0] == "SaveFailedError"
+        assert rank["group_left"] is False
+
+
 @pytest.fixture(scope="module")
 def exited(tmp_path_factory):
     """Two ranks, started as multiprocessing children of their own (no RankGroup: its ranks destroy the
