@@ -226,6 +226,11 @@ class AsyncCheckpointer:
             self._pool.reserve(estimate.nbytes, buffers=estimate.buffers, pin_for=estimate.device if cuda else None)
         if on_cpu and not self.synchronous:
             self._warn_of_memory_filesystems()
+        if self.rank == 0 and not engine.checkpoint_serialization_enabled():
+            logger.warning("the DeepSpeed config sets checkpoint.checkpoint_serialization to false (torch.save's "
+                           "legacy format); async_ckpt writes torch.save's zip format, which torch.load and "
+                           "DeepSpeed's load_checkpoint, zero_to_fp32 and ds_to_universal read the same way, so "
+                           "the files are not the legacy format's bytes")
 
     # ------------------------------------------------------------------ public API
     def save(self, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> SaveHandle:

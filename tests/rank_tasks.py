@@ -316,6 +316,11 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
     engine.zero_nvme_offload_optimizer = lambda: True  # as an engine with offload_optimizer.device 'nvme' answers
     out["nvme_offload"] = _outcome(lambda: async_ckpt.wrap(engine, root))
     del engine.zero_nvme_offload_optimizer
+    engine.checkpoint_serialization_enabled = lambda: False  # as with checkpoint.checkpoint_serialization: false
+    with async_ckpt_log(logging.WARNING) as lines:
+        async_ckpt.wrap(engine, root).close()
+    out["wrap_warnings_legacy_serialization"] = [line for line in lines if "checkpoint_serialization" in line]
+    del engine.checkpoint_serialization_enabled
     ckpt = async_ckpt.wrap(engine, root)
     out["wrap_of_a_wrapped_engine"] = _outcome(lambda: async_ckpt.wrap(engine, f"{root}-second"))
     out["second_root_made"] = os.path.exists(f"{root}-second")

@@ -84,6 +84,12 @@ def test_wrap_writes_in_the_background_and_does_not_warn_of_memory_on_a_disk(out
     assert [(seen["wrap_warnings_disk"], seen["synchronous_disk"]) for seen in outcomes] == [([], False)] * 2
 
 
+def test_wrap_warns_on_rank_0_that_deepspeeds_legacy_serialization_setting_is_not_reproduced(outcomes):
+    [warning] = outcomes[0]["wrap_warnings_legacy_serialization"]
+    assert "zip format" in warning
+    assert outcomes[1]["wrap_warnings_legacy_serialization"] == []
+
+
 @pytest.mark.parametrize("case", ["empty_tag", "slash_tag", "dotdot_tag", "parent_tag", "backslash_tag", "space_tag",
                                   "latest_tag", "script_tag", "newline_tag"])
 def test_invalid_tag_is_refused_on_every_rank(outcomes, case):
