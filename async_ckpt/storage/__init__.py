@@ -52,8 +52,8 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *, 
     except (ValueError, ImportError) as exc:
         raise ConfigError(f"cannot open {url!r}: {exc}. Install the fsspec backend for "
                           f"'{protocol}://' or fix the URL") from exc
-    try:
-        fs = fs_cls(**options)
+    try:  # what the URL itself says (a host and port, an account), under what storage_options say
+        fs = fs_cls(**{**fs_cls._get_kwargs_from_urls(url), **options})
     except TypeError as exc:
         raise ConfigError(f"storage_options for {protocol}:// are invalid: {exc}") from exc
     except ImportError as exc:  # a backend that imports its client library only when first opened (hdfs)

@@ -8,8 +8,10 @@ reader never sees half a file under a name DeepSpeed's globs match.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import posixpath
+import time
 import uuid
 from typing import BinaryIO, Iterator
 
@@ -17,6 +19,13 @@ import fsspec
 
 from async_ckpt.errors import MissingFileError
 from async_ckpt.storage.base import IO_CHUNK, Progress, Storage
+
+
+#: ``info`` fields that hold a file's last change, and the factor to seconds of a number there: local and
+#: memory (``mtime``), S3 (``LastModified``), Azure (``last_modified``), GCS (``updated``, ISO text),
+#: WebHDFS (``modificationTime``, milliseconds), then a creation time as a last resort.
+_TIME_FIELDS = (("mtime", 1.0), ("LastModified", 1.0), ("last_modified", 1.0), ("updated", 1.0),
+                ("modificationTime", 1e-3), ("created", 1.0))
 
 
 class FsspecStorage(Storage):
@@ -51,9 +60,19 @@ class FsspecStorage(Storage):
                 with contextlib.suppress(Exception):
                     self.fs.rm(target)
             raise
-        stream.close()
-        if not self.writes_in_place:
+        if self.writes_in_place:
+            stream.close()
+            return
+        try:  # a failed close or move removes the partial file too
+            stream.close()
             self.fs.mv(target, final)
+            if self.fs.exists(target):  # WebHDFS answers a rename onto an existing file with false, not an error
+                raise OSError(f"{self.url}: moving {target} onto {final} left it in place; the filesystem does "
+                              "not replace a file by a rename")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm(target)
+            raise
 
     @contextlib.contextmanager
     def open_read(self, relpath: str) -> Iterator[BinaryIO]:
@@ -91,9 +110,21 @@ class FsspecStorage(Storage):
             pass
 
     def modified(self, relpath: str) -> float:
+        """The time of the last change, from whichever field the backend's ``info`` gives it in; where none
+        is known, now: gc then takes the file for one being written, never for an abandoned one."""
         info = self.fs.info(self.full_path(relpath))
-        value = info.get("mtime", info.get("LastModified", info.get("created", 0.0)))
-        return value.timestamp() if hasattr(value, "timestamp") else float(value)
+        for key, scale in _TIME_FIELDS:
+            value = info.get(key)
+            if value is None:
+                continue
+            if hasattr(value, "timestamp"):
+                return value.timestamp()
+            if isinstance(value, str):
+                with contextlib.suppress(ValueError):
+                    return datetime.datetime.fromisoformat(value).timestamp()
+                continue
+            return float(value) * scale
+        return time.time()
 
     def get_file(self, relpath: str, local_path: str, *, progress: Progress | None = None,
                  resume: bool = False) -> None:
