@@ -16,7 +16,7 @@ def bounded_number(kind: type, minimum: float, maximum: float = math.inf) -> Cal
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
                                              f"got {text!r}") from None
-        if not (minimum <= value <= maximum and math.isfinite(value)):  # NaN fails too
+        if not (minimum <= value <= maximum and (kind is int or math.isfinite(value))):  # NaN fails too
             within = f"at least {minimum:g}" + (f" and at most {maximum:g}" if maximum < math.inf else " and finite")
             raise argparse.ArgumentTypeError(f"must be {within}, got {text!r}")
         return value

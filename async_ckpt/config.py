@@ -166,6 +166,9 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", _path_text("url", self.url, "a non-empty path or fsspec URL"))
+        if local_path(self.url) == "":
+            raise ConfigError(f"url {self.url!r} names no folder (it would be the working directory); write the "
+                              "folder after the scheme, e.g. file:///data/ckpt")
         if self.storage_options is None:
             object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, Mapping):
@@ -240,6 +243,9 @@ class CheckpointConfig:
         if path is None:
             raise ConfigError(f"local_tier must be a node-local folder (NVMe, /dev/shm), not a URL: "
                               f"{self.local_tier!r}; put the object store in url")
+        if not path:
+            raise ConfigError(f"local_tier {self.local_tier!r} names no folder (it would be the working directory); "
+                              "write the folder after the scheme, e.g. file:///nvme/ckpt")
         path = os.path.abspath(os.path.expanduser(path))
         object.__setattr__(self, "local_tier", path)
         url_path = local_path(self.url)

@@ -188,6 +188,19 @@ def test_config_is_validated_at_construction(kwargs):
         CheckpointConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(url="file://"), dict(url="local://"),
+                                    dict(url="s3://bucket/run", local_tier="file://")])
+def test_a_url_naming_no_folder_is_refused_rather_than_taken_for_the_working_directory(kwargs):
+    with pytest.raises(ConfigError, match="names no folder"):
+        CheckpointConfig(**kwargs)
+
+
+def test_a_command_line_count_too_large_for_a_float_is_parsed_not_a_traceback():
+    from async_ckpt.arguments import COUNT
+
+    assert COUNT("1" + "0" * 400) == 10**400
+
+
 @pytest.mark.parametrize("value", [float("inf"), 1e15])
 @pytest.mark.parametrize("name", ["commit_timeout_s", "wait_timeout_s", "retry_base_delay_s"])
 def test_endless_durations_are_refused_naming_the_field(name, value):

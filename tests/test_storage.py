@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import base64
+import datetime
 import errno
 import os
 import threading
 import time
+import uuid
 import zlib
 
 import boto3
 import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
 import pytest
 import torch
 
@@ -108,6 +111,23 @@ def test_a_retrys_backoff_leaves_the_process_wide_random_sequence_alone():
     random.seed(7)
     delays = [RetryPolicy().delay(attempt) for attempt in range(5)]
     assert [random.random() for _ in range(3)] == expected and all(d >= 0 for d in delays)
+
+
+@pytest.mark.parametrize("status,code,transient", [(503, "SlowDown", True), (500, "InternalError", True),
+                                                     (501, "NotImplemented", False), (505, "", False),
+                                                     (403, "AccessDenied", False)])
+def test_a_store_answer_is_retried_only_where_another_try_can_succeed(status, code, transient):
+    """501: a store that does not implement a request (checksum headers, on some S3-compatible stores)."""
+    from botocore.exceptions import ClientError
+
+    from async_ckpt.storage.retry import is_transient
+
+    error = ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "UploadPart")
+    assert is_transient(error) is transient
+
+
+def test_a_retrys_backoff_stays_finite_however_many_attempts():
+    assert 0 <= RetryPolicy(attempts=5000).delay(4999) <= RetryPolicy().max_delay_s
 
 
 def test_direct_writer_raises_the_error_of_a_background_write(tmp_path):
@@ -577,6 +597,79 @@ def test_a_backend_whose_client_library_is_missing_is_a_config_error_naming_it()
     fsspec.register_implementation(_NeedsAMissingLibrary.protocol, _NeedsAMissingLibrary, clobber=True)
     with pytest.raises(ConfigError, match="missing_client_library'. Install what the fsspec backend"):
         open_storage(f"{_NeedsAMissingLibrary.protocol}://host/run")
+
+
+class _HostFromUrl(MemoryFileSystem):
+    """A backend that takes its server from the URL, as fsspec's hdfs://, webhdfs:// and ftp:// do."""
+
+    protocol = "host-from-url"
+    cachable = False
+
+    def __init__(self, host: str = "default", **options):
+        super().__init__(**options)
+        self.host = host
+
+    @staticmethod
+    def _get_kwargs_from_urls(path):
+        return {"host": path.split("://", 1)[1].split("/", 1)[0]}
+
+
+@pytest.mark.parametrize("options,host", [({}, "nn2"), ({"host": "given"}, "given")])
+def test_a_backend_gets_the_server_its_url_names_unless_storage_options_name_one(options, host):
+    fsspec.register_implementation(_HostFromUrl.protocol, _HostFromUrl, clobber=True)
+    assert open_storage(f"{_HostFromUrl.protocol}://nn2/run", options).fs.host == host
+
+
+class _RenameKeepsAnExistingFile(MemoryFileSystem):
+    """A filesystem whose rename onto an existing file does nothing and says nothing (WebHDFS answers false)."""
+
+    protocol = "rename-keeps"
+    cachable = False
+
+    def mv(self, path1, path2, **kwargs):
+        if not self.exists(path2):
+            super().mv(path1, path2, **kwargs)
+
+
+def test_a_write_that_a_rename_does_not_publish_fails_and_leaves_no_partial_file():
+    fsspec.register_implementation(_RenameKeepsAnExistingFile.protocol, _RenameKeepsAnExistingFile, clobber=True)
+    storage = open_storage(f"{_RenameKeepsAnExistingFile.protocol}://{uuid.uuid4().hex}/run")
+    storage.write_bytes("latest", b"first")
+    with pytest.raises(OSError, match="does not replace a file by a rename"):
+        storage.write_bytes("latest", b"second")
+    assert storage.list_dir() == ["latest"] and storage.read_bytes("latest") == b"first"
+
+
+class _TimesAs(MemoryFileSystem):
+    """A filesystem whose ``info`` gives a file's time in the field ``key`` alone (or none)."""
+
+    protocol = "times-as"
+    cachable = False
+    key: str | None = None
+    value: object = None
+
+    def info(self, path, **kwargs):
+        details = {k: v for k, v in super().info(path, **kwargs).items() if k != "created"}
+        return {**details, self.key: self.value} if self.key else details
+
+
+@pytest.mark.parametrize("key,value", [("last_modified", datetime.datetime(2020, 1, 2, tzinfo=datetime.timezone.utc)),
+                                       ("updated", "2020-01-02T00:00:00.000Z"), ("modificationTime", 1577923200000)])
+def test_a_files_time_is_read_from_the_field_its_backend_gives_it_in(key, value, monkeypatch):
+    fsspec.register_implementation(_TimesAs.protocol, _TimesAs, clobber=True)
+    monkeypatch.setattr(_TimesAs, "key", key)
+    monkeypatch.setattr(_TimesAs, "value", value)
+    storage = open_storage(f"{_TimesAs.protocol}://{uuid.uuid4().hex}/run")
+    storage.write_bytes("a", b"x")
+    assert storage.modified("a") == 1577923200.0
+
+
+def test_a_file_whose_time_the_backend_does_not_give_counts_as_changed_now(monkeypatch):
+    """So gc takes it for one being written, never for an abandoned one from 1970."""
+    fsspec.register_implementation(_TimesAs.protocol, _TimesAs, clobber=True)
+    storage = open_storage(f"{_TimesAs.protocol}://{uuid.uuid4().hex}/run")
+    storage.write_bytes("a", b"x")
+    assert abs(storage.modified("a") - time.time()) < 60
 
 
 @pytest.mark.parametrize("options,names", [({"endpoint": "http://127.0.0.1:9"}, "unexpected keyword argument 'endpoint'"),

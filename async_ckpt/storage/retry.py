@@ -15,16 +15,18 @@ T = TypeVar("T")
 _TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
                     "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "TooManyRequestsException",
                     "RequestThrottled", "503", "500", "502", "504", "429"}
+_PERMANENT_5XX = {501, 505}  # Not Implemented, HTTP Version Not Supported
 
 
 def is_transient(exc: BaseException) -> bool:
     """HTTP 5xx and 429, throttling, timeouts and dropped connections are worth another try; other 4xx
-    are not."""
+    are not, nor 501 and 505: a store that does not implement a request (some S3-compatible stores answer
+    checksum headers so) answers every retry alike."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = str(response.get("Error", {}).get("Code", ""))
-        return status >= 500 or status == 429 or code in _TRANSIENT_CODES
+        return (status >= 500 and status not in _PERMANENT_5XX) or status == 429 or code in _TRANSIENT_CODES
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError)):
         return True
     name = type(exc).__name__
@@ -47,7 +49,7 @@ class RetryPolicy:
     max_delay_s: float = 20.0
 
     def delay(self, attempt: int) -> float:
-        return _JITTER.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** attempt))
+        return _JITTER.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** min(attempt, 64)))  # no overflow
 
     async def run(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Await ``call()``, retrying transient failures; the last error propagates."""
