@@ -29,7 +29,7 @@ import torch.distributed as dist
 from async_ckpt import __version__ as _version
 from async_ckpt import commit, inflight
 from async_ckpt.catalog import holds_files, read_manifest, refuse_unsupported_latest, started_here
-from async_ckpt.config import CheckpointConfig, OnError, timeout_argument
+from async_ckpt.config import CheckpointConfig, OnError, local_path, timeout_argument
 from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
@@ -109,7 +109,10 @@ def _remove_folder(path: str, owner_pid: int) -> None:
 
 
 def _normalize(url: str) -> str:
-    return os.path.abspath(os.path.expanduser(url)) if "://" not in url else url.rstrip("/")
+    """One spelling per root: ``file:///ckpt``, ``/ckpt/`` and ``ckpt`` (run from ``/``) are one folder, whose
+    saves must share one storage (and its lock on ``latest``)."""
+    path = local_path(url)
+    return os.path.abspath(os.path.expanduser(path)) if path is not None else url.rstrip("/")
 
 
 class AsyncCheckpointer:
@@ -1285,7 +1288,7 @@ class AsyncCheckpointer:
                 del self._storages[key]
 
     def _open(self, url: str) -> Storage:
-        options = self.config.storage_options if "://" in url else {}
+        options = self.config.storage_options if local_path(url) is None else {}
         storage = open_storage(url, options, fsync=self.config.fsync, direct_io=self.config.direct_io,
                                part_size=self.config.part_size, equal_parts=self.config.equal_parts,
                                max_concurrency=self.config.max_concurrency,

@@ -235,7 +235,10 @@ def save_into_a_folder_one_rank_may_not_write(root: str) -> dict:
     try:
         return {"save_checkpoint": _outcome(lambda: engine.save_checkpoint(f"faulty://{root}/elsewhere", tag="t")),
                 "save_16bit_model": _outcome(lambda: engine.save_16bit_model(f"faulty://{root}/elsewhere/export")),
-                "then": _outcome(lambda: ckpt.save(tag="after").result(timeout=120))}
+                "then": _outcome(lambda: ckpt.save(tag="after").result(timeout=120)),
+                "into_a_file_url": _outcome(lambda: (engine.save_checkpoint(f"file://{root}/plain", tag="plain"),
+                                                     ckpt.wait(timeout=120))),
+                "committed_there": os.path.isfile(os.path.join(root, "plain", "plain", "async_ckpt_manifest.json"))}
     finally:
         ckpt.close()
 

@@ -163,6 +163,12 @@ def test_saves_go_on_after_a_save_folder_one_rank_cannot_write(one_rank_denied):
     assert [rank["then"] for rank in one_rank_denied] == [None, None]
 
 
+def test_a_save_into_a_file_url_takes_no_storage_options_of_wraps_url(one_rank_denied):
+    """They are for wrap()'s filesystem (here faulty://); a local folder refuses any."""
+    assert [rank["into_a_file_url"] for rank in one_rank_denied] == [None, None]
+    assert [rank["committed_there"] for rank in one_rank_denied] == [True, True]
+
+
 def test_back_to_back_saves_never_mix_tensors_between_tags(second_save_during_first):
     for rank in second_save_during_first:
         assert rank["steps_differ"] is True
