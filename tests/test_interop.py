@@ -154,6 +154,10 @@ def test_pulls_into_one_dest_at_once_fetch_each_file_one_at_a_time(zero3, tmp_pa
 
 
 def test_pull_leaves_no_lock_files_in_its_dest(zero3, capsys, tmp_path):
+    from async_ckpt.storage.local import _locks_node_wide
+
+    if not _locks_node_wide(str(tmp_path)):
+        pytest.skip("pytest's temporary folders are on a filesystem other machines may mount: lock files stay")
     code, _, _ = run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(tmp_path), "--quiet")
     assert code == 0 and (tmp_path / "latest").is_file()
     assert [p.name for p in tmp_path.rglob("*") if "lock" in p.name or "fetching" in p.name] == []

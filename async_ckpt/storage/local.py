@@ -69,7 +69,10 @@ def file_lock(path: str, *, shared: bool = False, create: bool = True, remove: b
 
     With ``remove`` (an exclusive lock on one piece of work, such as a file's fetch) the lock file is
     unlinked while still held, so none is left behind. A process that waited on the unlinked file
-    finds it no longer at ``path`` once it holds it, and locks the file there now instead."""
+    finds it no longer at ``path`` once it holds it, and locks the file there now instead. Only on a
+    filesystem of one machine (:func:`_locks_node_wide`): on NFS a client's cached name may still
+    lead to the unlinked file, and two holders would then run at once; the file stays there."""
+    remove = remove and _locks_node_wide(path)
     fd = _locked(path, shared=shared, create=create, remove=remove)
     try:
         yield fd is not None
@@ -105,7 +108,12 @@ def _locked(path: str, *, shared: bool, create: bool, remove: bool) -> int | Non
             if create or exc.errno != errno.ENOENT:
                 logger.debug("no lock on %s (%s)", path, exc)
             return None
-        if not remove or _is_at(fd, path):
+        try:
+            held_at_path = not remove or _is_at(fd, path)
+        except OSError as exc:  # ESTALE on NFS, after another client removed it: as gone
+            logger.debug("lock file %s: %s", path, exc)
+            held_at_path = False
+        if held_at_path:
             return fd
         os.close(fd)  # the holder this waited for unlinked it
     logger.debug("no lock on %s (lost to other holders %d times)", path, _LOCK_ATTEMPTS)
@@ -357,14 +365,13 @@ class DirectWriter:
 
 #: ``statfs`` ``f_type`` of the filesystems that keep files in memory.
 _MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+#: ``statfs`` ``f_type`` of filesystems one machine alone mounts (ext2/3/4, XFS, Btrfs, ZFS, overlayfs,
+#: and the memory ones), where names and locks are coherent between its processes.
+_MACHINE_FILESYSTEMS = {0xEF53, 0x58465342, 0x9123683E, 0x2FC12FC1, 0x794C7630, *_MEMORY_FILESYSTEMS}
 
 
-def memory_filesystem(path: str) -> str | None:
-    """``"tmpfs"`` or ``"ramfs"`` when ``path`` (or its nearest existing parent) is on one, else ``None``.
-
-    A write there is CPU work (page allocation and a copy) rather than a device's transfer, so a
-    background write takes its cores from training; Linux only (``None`` elsewhere).
-    """
+def _filesystem_type(path: str) -> int | None:
+    """``statfs``'s ``f_type`` of ``path`` (or its nearest existing parent); Linux only (``None`` elsewhere)."""
     if not sys.platform.startswith("linux"):
         return None
     probe = os.path.abspath(os.path.expanduser(path))
@@ -374,7 +381,22 @@ def memory_filesystem(path: str) -> str | None:
     if ctypes.CDLL(None).statfs(os.fsencode(probe), result) != 0:
         return None
     # f_type is a C long on x86_64 and aarch64; the magic numbers are 32-bit (ramfs's has the sign bit set)
-    return _MEMORY_FILESYSTEMS.get(ctypes.c_long.from_buffer(result).value & 0xFFFFFFFF)
+    return ctypes.c_long.from_buffer(result).value & 0xFFFFFFFF
+
+
+def memory_filesystem(path: str) -> str | None:
+    """``"tmpfs"`` or ``"ramfs"`` when ``path`` (or its nearest existing parent) is on one, else ``None``.
+
+    A write there is CPU work (page allocation and a copy) rather than a device's transfer, so a
+    background write takes its cores from training; Linux only (``None`` elsewhere).
+    """
+    kind = _filesystem_type(path)
+    return None if kind is None else _MEMORY_FILESYSTEMS.get(kind)
+
+
+def _locks_node_wide(path: str) -> bool:
+    """Whether ``path`` is on a filesystem only this machine mounts (see :data:`_MACHINE_FILESYSTEMS`)."""
+    return _filesystem_type(path) in _MACHINE_FILESYSTEMS
 
 
 def _open_direct(path: str) -> int | None:
