@@ -33,8 +33,8 @@ leave out ``_*``). The cost is the previous save's commit time
 (markers and a manifest), paid only when saves come faster than storage absorbs them.
 ``save_total_limit=1`` is refused: Trainer would delete the last committed checkpoint as soon as
 the next save is snapshotted, and a crash before that one commits would leave nothing to resume.
-So is 2 with ``metric_for_best_model`` set: Trainer keeps the best checkpoint beside the newest then,
-and a crash would leave only the best, older one.
+With 2 and ``metric_for_best_model`` set, enable() warns: Trainer keeps the best checkpoint beside the
+newest then, and a crash before the newest commits resumes from the best, maybe older, one.
 
 **ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save``.** Trainer's ``save_model`` then
 calls ``save_checkpoint`` into the checkpoint folder, and ``_save_optimizer_and_scheduler`` calls it
@@ -64,7 +64,6 @@ import re
 from typing import Any, Callable, Mapping
 
 import deepspeed
-import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
@@ -100,17 +99,16 @@ class AsyncCheckpointCallback(TrainerCallback):
             raise UsageError(f"hub_strategy={HubStrategy(args.hub_strategy).value!r} uploads each checkpoint folder "
                              "right after the save returns, before async_ckpt has written it: use "
                              "hub_strategy='every_save' or 'end'")
-        # Trainer's rotation keeps the newest folder (still being written) and the best one: the committed
-        # checkpoint before the newest needs a place of its own beside them
-        tracks_best = args.metric_for_best_model is not None
-        fewest = 3 if tracks_best else 2
-        if args.save_total_limit is not None and 0 < args.save_total_limit < fewest:
-            raise UsageError(f"save_total_limit={args.save_total_limit} lets Trainer delete the last committed "
-                             "checkpoint as soon as the next save is snapshotted, while that one is still being "
-                             f"written{', keeping only it and the best checkpoint' if tracks_best else ''}: a crash "
-                             f"then leaves {'only the best, older checkpoint' if tracks_best else 'nothing'} to resume "
-                             f"from. Use save_total_limit={fewest} or more (or None)"
-                             f"{' with metric_for_best_model set' if tracks_best else ''}")
+        if args.save_total_limit == 1:
+            raise UsageError("save_total_limit=1 lets Trainer delete the last committed checkpoint as soon as the next "
+                             "save is snapshotted, while that one is still being written: a crash then leaves nothing "
+                             "to resume from. Use save_total_limit=2 or more (or None)")
+        if (args.save_total_limit == 2 and args.metric_for_best_model is not None
+                and args.save_strategy != SaveStrategy.BEST and args.process_index == 0):
+            logger.warning("save_total_limit=2 with metric_for_best_model set: Trainer's rotation keeps the newest "
+                           "checkpoint, still being written, and the best one; where the best is older, it deletes "
+                           "the last committed checkpoint, and a crash before the newest commits resumes from the "
+                           "best. Use save_total_limit=3 to keep the last committed one too")
         if not trainer.is_deepspeed_enabled:
             raise UsageError("this Trainer does not train with DeepSpeed: pass TrainingArguments(deepspeed=ds_config) "
                              "(a dict or a JSON path), and do not set use_cpu=True, which turns DeepSpeed off")
@@ -194,12 +192,12 @@ class AsyncCheckpointCallback(TrainerCallback):
             self._wait_for_saves(self.checkpointer)
 
     def _wait_for_saves(self, checkpointer: AsyncCheckpointer) -> None:
-        """Every earlier save settled on every rank (a collective: every rank's callbacks run at the same
-        steps), then the folders of those that failed set aside. Where ``wait()`` raises (``on_error="raise"``,
-        or a timeout) training stops with that error and the folder stays."""
-        checkpointer.wait()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()  # a rank whose save failed may still be removing its files from the folder until then
+        """Every earlier save settled on every rank, then the folders of those that failed set aside. One
+        collective (every rank's callbacks run at the same steps) holds each rank until the others are done
+        too: a rank whose save failed may still be removing its files from the folder until then. Where
+        ``wait()`` raises on any rank (``on_error="raise"``, or a timeout) every rank raises after it, so
+        training stops with that error on every rank, not on one while the others wait, and the folder stays."""
+        checkpointer._gather_checked("to wait for its earlier saves", checkpointer.wait)
         self._set_failed_aside(checkpointer)
 
     def _set_failed_aside(self, checkpointer: AsyncCheckpointer) -> None:

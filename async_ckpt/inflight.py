@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch.distributed as dist
 
 from async_ckpt.config import timeout_argument
+from async_ckpt.errors import WaitTimeoutError
 
 if TYPE_CHECKING:
     from async_ckpt.checkpointer import AsyncCheckpointer
@@ -127,15 +128,16 @@ def _ends_the_default_group(group: Any = None) -> bool:
 def _waiting_first(fn: Callable[..., Any], only_if: Callable[..., bool] | None = None, *,
                    even_if_waiting_fails: bool = False) -> Callable[..., Any]:
     """``fn`` that waits for every save first. With ``even_if_waiting_fails``, ``fn`` runs where the wait
-    raises too (a failed save, a timeout), before that error is raised: a script's ``finally:
-    destroy_process_group()`` must still end the group, whatever a save did."""
+    raises a save's failure too, before that error is raised: a script's ``finally:
+    destroy_process_group()`` must still end the group. Not after a timeout: a save still going needs
+    the group's store to commit, which the exit's own wait then gives it."""
     @functools.wraps(fn)
     def hooked(*args: Any, **kwargs: Any) -> Any:
         if only_if is None or only_if(*args, **kwargs):
             try:
                 wait_all()
-            except BaseException:
-                if even_if_waiting_fails:
+            except Exception as exc:
+                if even_if_waiting_fails and not isinstance(exc, WaitTimeoutError):
                     fn(*args, **kwargs)
                 raise
         return fn(*args, **kwargs)

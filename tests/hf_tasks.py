@@ -63,8 +63,7 @@ def _cpu_deepspeed_state() -> None:
 
 
 def _trainer(output_dir: str, stage: int, *, seed: int, save: bool = True, best_model: bool = False) -> Trainer:
-    """``best_model``: evaluate at every save and load the best checkpoint when training ends (keeping three
-    checkpoints, the fewest enable() allows then)."""
+    """``best_model``: evaluate at every save and load the best checkpoint when training ends."""
     _cpu_deepspeed_state()
     tokenizer = workload.build_tokenizer()
     data = _dataset(tokenizer)
@@ -73,7 +72,7 @@ def _trainer(output_dir: str, stage: int, *, seed: int, save: bool = True, best_
     args = TrainingArguments(
         output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=2, learning_rate=1e-3,
         lr_scheduler_type="linear", logging_steps=1, save_strategy="steps" if save else "no", save_steps=SAVE_STEPS,
-        save_total_limit=3 if best_model else 2, deepspeed=ds_config(stage), report_to="none", seed=0,
+        save_total_limit=2, deepspeed=ds_config(stage), report_to="none", seed=0,
         disable_tqdm=True, dataloader_num_workers=0, accelerator_config={"use_configured_state": True}, **evaluation)
     return Trainer(model=workload.build_model("tiny", seed=seed), args=args, train_dataset=data,
                    eval_dataset=data[:8] if best_model else None, processing_class=tokenizer,

@@ -218,6 +218,24 @@ def save_failing_then_destroy_the_process_group(root: str) -> dict:
     return {"raised": raised, "group_left": dist.is_initialized()}
 
 
+def save_held_then_destroy_the_process_group(root: str, gate: str) -> dict:
+    """A save held at the storage past wait_timeout_s, then ``destroy_process_group()``: the timeout is raised
+    and the group kept, as the save still needs its store to commit; once let through, it commits."""
+    from rank_tasks import _outcome
+
+    register_faulty()
+    engine = workload.make_engine(2, "fp32")
+    ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate}, wait_timeout_s=2)
+    handle = ckpt.save(tag="held")
+    raised = _outcome(dist.destroy_process_group)
+    group_kept = dist.is_initialized()
+    if _rank() == 0:
+        open(gate, "w").close()
+    handle.result(timeout=120)
+    ckpt.close()
+    return {"raised": raised, "group_kept": group_kept, "latest": _read_latest(root)}
+
+
 #: How long :func:`save_and_exit` lets its forked child take to end (one that waited for the parent's
 #: save would take seconds, as long as the slow save).
 FORKED_CHILD_WAIT_S = 20

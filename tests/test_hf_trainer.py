@@ -51,12 +51,11 @@ def test_each_checkpoint_is_saved_once_through_async_ckpt(runs):
     assert [r["saves"] for r in runs["interrupted"]] == [expected, expected]
 
 
-def test_earlier_checkpoints_are_committed_before_trainer_saves_again(runs):
+def test_earlier_checkpoints_are_committed_before_trainer_saves_and_rotates(runs):
     rank0 = runs["interrupted"][0]
     assert rank0["seen"][hf_tasks.STOP_AT]["earlier"] == {f"checkpoint-{hf_tasks.SAVE_STEPS}": True}
-    kept = sorted(glob.glob(os.path.join(runs["out"], "checkpoint-*")))  # save_total_limit=3 in the resumed run
-    assert [os.path.basename(p) for p in kept] == [f"checkpoint-{step}" for step in
-                                                   range(hf_tasks.SAVE_STEPS, hf_tasks.MAX_STEPS + 1, hf_tasks.SAVE_STEPS)]
+    kept = sorted(glob.glob(os.path.join(runs["out"], "checkpoint-*")))  # save_total_limit=2 after the resumed run
+    assert [os.path.basename(p) for p in kept] == [f"checkpoint-{hf_tasks.STOP_AT}", f"checkpoint-{hf_tasks.MAX_STEPS}"]
     assert all(os.path.isfile(os.path.join(p, "latest")) for p in kept)
 
 
@@ -190,13 +189,17 @@ def test_enable_refuses_a_save_total_limit_of_one(cpu_trainer, monkeypatch):
         enable(cpu_trainer)
 
 
-def test_enable_refuses_a_save_total_limit_of_two_where_trainer_keeps_the_best_checkpoint_too(cpu_trainer,
-                                                                                                monkeypatch):
-    """Trainer's rotation then keeps the save in flight and the best, older folder: the last committed one goes."""
+@pytest.mark.parametrize("strategy,warned", [("steps", True), ("best", False)])
+def test_enable_warns_of_a_save_total_limit_of_two_where_trainer_keeps_an_older_best_checkpoint_too(
+        cpu_trainer, monkeypatch, caplog, strategy, warned):
+    """Trainer's rotation then keeps the save in flight and the best folder, which may be older: the last
+    committed one goes. With save_strategy="best" every save is the best, and the one before it stays."""
     monkeypatch.setattr(cpu_trainer.args, "save_total_limit", 2)
     monkeypatch.setattr(cpu_trainer.args, "metric_for_best_model", "loss")
-    with pytest.raises(UsageError, match="save_total_limit=3 or more"):
+    monkeypatch.setattr(cpu_trainer.args, "save_strategy", strategy)
+    with pytest.raises(UsageError, match="does not train with DeepSpeed"):  # this Trainer's, checked after
         enable(cpu_trainer)
+    assert ("save_total_limit=3" in caplog.text) is warned
 
 
 def test_enable_refuses_hub_uploads_of_unwritten_checkpoint_folders(cpu_trainer, monkeypatch):

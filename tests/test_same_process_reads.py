@@ -167,6 +167,17 @@ def test_destroying_the_process_group_after_a_failed_save_raises_the_failure_and
         assert rank["group_left"] is False
 
 
+def test_destroying_the_process_group_while_a_save_outlasts_the_wait_keeps_the_group_for_its_commit(ranks, tmp_path):
+    try:
+        out = ranks.run(reader_tasks.save_held_then_destroy_the_process_group, str(tmp_path / "ckpt"),
+                        str(tmp_path / "gate"))
+    finally:
+        ranks.restart()
+    for rank in out:
+        assert rank["raised"][0] == "WaitTimeoutError"
+        assert rank["group_kept"] is True and rank["latest"] == "held"
+
+
 @pytest.fixture(scope="module")
 def exited(tmp_path_factory):
     """Two ranks, started as multiprocessing children of their own (no RankGroup: its ranks destroy the
