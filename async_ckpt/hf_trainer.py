@@ -127,6 +127,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         self.checkpointer: AsyncCheckpointer | None = None
         self._async_save: Callable[..., bool] | None = None  # the engine's save_checkpoint as wrap() left it
         self._last_saved: tuple[str, str, int] | None = None
+        self._settled = True  # every save this callback made has been waited for since (on every rank alike)
         self._saved: set[tuple[str, str]] = set()  # (folder, tag) of each save this callback made
         self._failures_seen = 0
 
@@ -147,7 +148,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         self.checkpointer = wrap(engine, args.output_dir, **self._options)
         self._async_save = engine.save_checkpoint
         engine.save_checkpoint = self._save_checkpoint
-        self._last_saved = None
+        self._last_saved, self._settled = None, True
         self._saved, self._failures_seen = set(), 0
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -199,6 +200,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         training stops with that error on every rank, not on one while the others wait, and the folder stays."""
         checkpointer._gather_checked("to wait for its earlier saves", checkpointer.wait)
         self._set_failed_aside(checkpointer)
+        self._settled = True
 
     def _set_failed_aside(self, checkpointer: AsyncCheckpointer) -> None:
         """Rename the ``checkpoint-N`` folder of each save that failed since the last call to
@@ -239,10 +241,13 @@ class AsyncCheckpointCallback(TrainerCallback):
         if key == self._last_saved:
             logger.debug("%s/%s is already being saved at this step; not saving it twice", key[0], key[1])
             return True
+        if not self._settled:  # a save the callbacks did not see coming (a user's callback asked for it
+            # after on_step_end): Trainer rotates the folders right after it, so the earlier saves commit first
+            self._wait_for_saves(self.checkpointer)
         self._saved.add(key[:2])
         self._async_save(save_dir, tag, client_state, save_latest=save_latest,
                          exclude_frozen_parameters=exclude_frozen_parameters)
-        self._last_saved = key
+        self._last_saved, self._settled = key, False
         return True
 
 

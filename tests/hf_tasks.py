@@ -185,6 +185,36 @@ def train_with_failing_saves(output_dir: str, stage: int, *, also_into: str | No
     return {"folders": sorted(os.listdir(output_dir)), "newest_committed": hf_trainer.last_committed_checkpoint(output_dir)}
 
 
+class _SavesFromOnLog(TrainerCallback):
+    """A user's callback that asks for a save from ``on_log`` every SAVE_STEPS (Trainer saves right after its
+    log, where async_ckpt's ``on_step_end`` saw no save coming); after each save, whether the folders Trainer
+    kept of earlier saves are committed."""
+
+    def __init__(self) -> None:
+        self.kept_committed: dict[int, dict[str, bool]] = {}
+
+    def on_log(self, args, state, control, **kwargs):
+        if state.global_step % SAVE_STEPS == 0:
+            control.should_save = True
+
+    def on_save(self, args, state, control, **kwargs):
+        current = f"checkpoint-{state.global_step}"
+        self.kept_committed[state.global_step] = {
+            os.path.basename(p): _committed(p) for p in sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*")))
+            if os.path.basename(p) != current}
+
+
+def train_saving_from_on_log(output_dir: str, stage: int) -> dict:
+    """save_strategy="no", save_total_limit=2 and slow commits; a callback asks for the saves from on_log."""
+    trainer = _trainer(output_dir, stage, seed=0, save=False)
+    hf_trainer.enable(trainer)
+    probe = _SavesFromOnLog()
+    trainer.add_callback(probe)
+    with _slow_commits():
+        trainer.train()
+    return {"kept_committed": probe.kept_committed}
+
+
 def train_resumed(output_dir: str, stage: int) -> dict:
     """A fresh Trainer (other init) resumes from the newest committed checkpoint and finishes the run.
 

@@ -110,6 +110,12 @@ def test_best_checkpoint_is_loaded_at_train_end_once_committed(runs):
         assert rank["best"] == os.path.join(runs["out"], f"checkpoint-{hf_tasks.MAX_STEPS}")
 
 
+def test_a_save_a_callback_asks_for_outside_the_save_steps_waits_for_the_earlier_ones_before_trainer_rotates(
+        ranks, tmp_path):
+    out = ranks.run(hf_tasks.train_saving_from_on_log, str(tmp_path / "run"), 2)[0]
+    assert out["kept_committed"] == {2: {}, 4: {"checkpoint-2": True}, 6: {"checkpoint-4": True}}
+
+
 def test_failed_saves_are_set_aside_so_trainers_rotation_keeps_the_committed_checkpoint(ranks, tmp_path):
     """save_total_limit=2, saves at steps 2, 4 and 6, the last two failing in the background: Trainer's
     rotation would count the failed folders and delete checkpoint-2, the one committed checkpoint."""
