@@ -631,6 +631,12 @@ def test_a_backend_gets_the_server_its_url_names_unless_storage_options_name_one
     assert open_storage(f"{_HostFromUrl.protocol}://nn2/run", options).fs.host == host
 
 
+def test_a_password_in_the_url_is_left_out_of_the_storages_name_in_logs_and_errors():
+    fsspec.register_implementation(_HostFromUrl.protocol, _HostFromUrl, clobber=True)
+    storage = open_storage(f"{_HostFromUrl.protocol}://user:secret@nn2/run")
+    assert storage.url == f"{_HostFromUrl.protocol}://user:***@nn2/run" and "secret" in storage.fs.host
+
+
 class _RenameKeepsAnExistingFile(MemoryFileSystem):
     """A filesystem whose rename onto an existing file does nothing and says nothing (WebHDFS answers false)."""
 

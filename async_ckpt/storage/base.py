@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import threading
+import urllib.parse
 import uuid
 from typing import BinaryIO, Callable, Iterator
 
@@ -106,6 +107,17 @@ def buffer_address(data: object) -> int:
         _release_buffer(ctypes.byref(view))
 
 
+def redacted(url: str) -> str:
+    """``url`` with its password and query string replaced by ``***``."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.scheme or (parts.password is None and not parts.query):
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username}:***@{netloc.rsplit('@', 1)[1]}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", parts.fragment))
+
+
 class Storage(abc.ABC):
     """One checkpoint root on some filesystem or object store."""
 
@@ -119,7 +131,9 @@ class Storage(abc.ABC):
     aligned_lending: bool = False
 
     def __init__(self, url: str) -> None:
-        self.url = url
+        #: As shown in logs, errors, handles and reports: without a password or query string the URL may
+        #: carry (``ftp://user:secret@host/...``, a signed token), which open the root but are no name of it.
+        self.url = redacted(url)
         #: Held across what follows a commit here (``latest``, bookkeeping, retention): a rank's writer and
         #: drainer may commit at one root at once, and one's check of ``latest`` must not interleave with the
         #: other's write of it (``latest`` would move back to an older save, perhaps one retention deleted).
