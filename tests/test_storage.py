@@ -657,6 +657,42 @@ def test_a_write_that_a_rename_does_not_publish_fails_and_leaves_no_partial_file
     assert storage.list_dir() == ["latest"] and storage.read_bytes("latest") == b"first"
 
 
+class _CachesListings(MemoryFileSystem):
+    """A filesystem that answers a listing from its cache until told to drop it, as gcsfs and adlfs do."""
+
+    protocol = "caches-listings"
+    cachable = False
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.listings: dict[str, list] = {}
+
+    def ls(self, path, detail=False, **kwargs):
+        key = self._strip_protocol(path)
+        if key not in self.listings:
+            self.listings[key] = super().ls(path, detail=detail, **kwargs)
+        return self.listings[key]
+
+    def exists(self, path, **kwargs):
+        parent = self._parent(path)
+        if parent in self.listings:
+            return any(name.rstrip("/") == self._strip_protocol(path) for name in self.listings[parent])
+        return super().exists(path, **kwargs)
+
+    def invalidate_cache(self, path=None):
+        self.listings.clear() if path is None else self.listings.pop(self._strip_protocol(path), None)
+
+
+def test_listings_and_lookups_see_what_another_process_wrote_since():
+    fsspec.register_implementation(_CachesListings.protocol, _CachesListings, clobber=True)
+    url = f"{_CachesListings.protocol}://{uuid.uuid4().hex}/run"
+    reader, writer = open_storage(url), open_storage(url)  # two ranks' clients of one folder
+    writer.write_bytes("tag/a.pt", b"x")
+    assert reader.list_dir("tag") == ["a.pt"] and not reader.exists("tag/b.pt")
+    writer.write_bytes("tag/b.pt", b"x")
+    assert reader.list_dir("tag") == ["a.pt", "b.pt"] and reader.exists("tag/b.pt")
+
+
 class _TimesAs(MemoryFileSystem):
     """A filesystem whose ``info`` gives a file's time in the field ``key`` alone (or none)."""
 

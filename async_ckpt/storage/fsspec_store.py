@@ -83,7 +83,9 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(self.full_path(relpath))
 
     def exists(self, relpath: str) -> bool:
-        return self.fs.exists(self.full_path(relpath))
+        path = self.full_path(relpath)
+        self.fs.invalidate_cache(posixpath.dirname(path))  # answered from a listing otherwise (gcsfs, adlfs)
+        return self.fs.exists(path)
 
     def size(self, relpath: str) -> int:
         return int(self.fs.size(self.full_path(relpath)))
@@ -92,7 +94,10 @@ class FsspecStorage(Storage):
         return self.fs.isdir(self.full_path(relpath))
 
     def list_dir(self, relpath: str = "") -> list[str]:
+        """The names in the folder, as stored now: the backend's cache of listings is dropped first, as
+        the S3 backend turns it off, since the other ranks (other processes) write into the same folders."""
         path = self.full_path(relpath)
+        self.fs.invalidate_cache(path)
         try:
             entries = self.fs.ls(path, detail=False)
         except FileNotFoundError:
