@@ -75,14 +75,15 @@ def test_the_tag_committed_despite_the_failure_is_the_one_load_resumes(post_comm
 
 def test_failed_retention_keeps_the_older_tag(post_commit):
     fault, _, out = post_commit
-    if fault == "retention":
-        assert [r["a_kept"] for r in out] == [True, True]
+    if fault != "retention":
+        pytest.skip("a case of retention failing")
+    assert [r["a_kept"] for r in out] == [True, True]
 
 
 def test_ls_lists_the_tags_when_latest_cannot_be_read(post_commit, capsys):
     fault, root, _ = post_commit
     if fault != "latest":
-        return
+        pytest.skip("a case of 'latest' failing")
     assert main(["ls", root]) == 0
     out = capsys.readouterr().out
     assert "committed" in out and "b " in out and "'latest' cannot be read" in out
@@ -787,6 +788,7 @@ def test_a_drain_and_a_later_save_committing_at_one_root_at_once_leave_latest_on
     _save_one_rank(durable_root, "b", step=20, storage=durable)
     b_saved.set()
     drain.join(60)
+    assert not drain.is_alive() and read_manifest(durable, "a") is not None  # the drain of 'a' committed
     assert read_latest(durable) == "b"
 
 

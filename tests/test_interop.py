@@ -143,12 +143,20 @@ def test_pulls_into_one_dest_at_once_fetch_each_file_one_at_a_time(zero3, tmp_pa
     manifest = read_manifest(storage, zero3["tag"])
     entry = next(e for e in manifest.files if "model_states" in e.path)
     dest = str(tmp_path / zero3["tag"])
-    pulls = [threading.Thread(target=download, args=(storage, manifest, [entry], dest),
-                              kwargs={"max_concurrency": 1, "resumable": True}) for _ in range(2)]
+    reports = []
+
+    def pull_once():
+        try:
+            reports.append(download(storage, manifest, [entry], dest, max_concurrency=1, resumable=True))
+        except Exception as exc:  # asserted below: a thread's own raise would reach pytest as a warning only
+            reports.append(exc)
+
+    pulls = [threading.Thread(target=pull_once) for _ in range(2)]
     for thread in pulls:
         thread.start()
     for thread in pulls:
         thread.join()
+    assert sorted((r.files_fetched, r.files_skipped) for r in reports) == [(0, 1), (1, 0)]
     assert Counted.most == 1  # the second found it fetched
     assert (tmp_path / zero3["tag"] / entry.path).read_bytes() == (zero3["local"] / zero3["tag"] / entry.path).read_bytes()
 

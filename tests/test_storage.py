@@ -150,14 +150,15 @@ def test_a_removable_lock_excludes_every_holder_and_leaves_no_file(tmp_path):
     if not local_storage._locks_node_wide(str(tmp_path)):
         pytest.skip("pytest's temporary folders are on a filesystem other machines may mount: lock files stay")
     path = str(tmp_path / "locks" / "one.lock")
-    inside, most, unheld, guard = 0, 0, 0, threading.Lock()
+    inside, most, unheld, entries, guard = 0, 0, 0, 0, threading.Lock()
 
     def hold_often():
-        nonlocal inside, most, unheld
+        nonlocal inside, most, unheld, entries
         for _ in range(30):
             with local_storage.file_lock(path, remove=True) as held:
                 with guard:
                     unheld += not held
+                    entries += 1
                     inside += 1
                     most = max(most, inside)
                 time.sleep(0.002)
@@ -169,7 +170,7 @@ def test_a_removable_lock_excludes_every_holder_and_leaves_no_file(tmp_path):
         thread.start()
     for thread in holders:
         thread.join()
-    assert most == 1 and unheld == 0
+    assert entries == 4 * 30 and most == 1 and unheld == 0
     assert os.listdir(tmp_path / "locks") == []
 
 
@@ -690,7 +691,8 @@ def test_listings_and_lookups_see_what_another_process_wrote_since():
     writer.write_bytes("tag/a.pt", b"x")
     assert reader.list_dir("tag") == ["a.pt"] and not reader.exists("tag/b.pt")
     writer.write_bytes("tag/b.pt", b"x")
-    assert reader.list_dir("tag") == ["a.pt", "b.pt"] and reader.exists("tag/b.pt")
+    assert reader.exists("tag/b.pt")
+    assert reader.list_dir("tag") == ["a.pt", "b.pt"]
 
 
 class _TimesAs(MemoryFileSystem):
