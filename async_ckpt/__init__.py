@@ -3,8 +3,8 @@
 ``ckpt = async_ckpt.wrap(engine, url)`` then ``ckpt.save()`` returns once the state is
 snapshotted; a background thread writes and commits it. See the README for guarantees.
 
-``wrap`` and ``AsyncCheckpointer`` are imported on first use: they pull in DeepSpeed, which the
-command-line tools that only read a checkpoint (``ls``, ``verify``, ``gc``) do not need.
+``wrap`` and ``AsyncCheckpointer`` are imported on first use: they pull in DeepSpeed (seconds to
+import), which code that only takes the configuration, the errors or a storage backend does not need.
 """
 
 from __future__ import annotations

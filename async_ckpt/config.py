@@ -133,8 +133,10 @@ class CheckpointConfig:
         local_tier_max_bytes: with ``local_tier``, the most bytes each node folder may hold. A save that
             would not fit (nor in the disk's free space) goes straight to ``url``, with a warning.
         on_save_done: called with the :class:`SaveHandle` once a save committed or failed, on
-            every rank, from its writer thread: the hook for trackers (TensorBoard, W&B: log
-            ``handle.metrics``, usually on rank 0 only). Exceptions it raises are logged and ignored.
+            every rank, from its writer thread (with ``local_tier``, once drained, from the drainer
+            thread; drains that wrap() resumes too); not on a rank whose ``save()`` raised: the hook
+            for trackers (TensorBoard, W&B: log ``handle.metrics``, usually on rank 0 only).
+            Exceptions it raises are logged and ignored.
     """
 
     url: str
