@@ -1146,9 +1146,11 @@ class AsyncCheckpointer:
         failed, and a failure raised on every rank or on none. A rank whose wait times out, or that learned of
         a failure before the others (a drain still running elsewhere), would otherwise raise alone, and the
         others wait in the load's collectives until the process group's timeout."""
-        self._gather_checked("to wait for its saves before the load",
-                             lambda: self._await_handles(self.config.effective_wait_timeout_s, local_only=local_only))
-        self._surface_errors(self._gather(self._failure_to_report()))
+        def settle() -> tuple[str | None, str] | None:
+            self._await_handles(self.config.effective_wait_timeout_s, local_only=local_only)
+            return self._failure_to_report()
+
+        self._surface_errors(self._gather_checked("to wait for its saves before the load", settle))
 
     def _await_handles(self, timeout_s: float, *, local_only: bool = False, limit: str = "wait_timeout_s") -> None:
         """Every save so far committed (durably, or with ``local_only`` on its first tier) or failed,

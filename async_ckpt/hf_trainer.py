@@ -168,7 +168,7 @@ class AsyncCheckpointCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         try:  # a save still in flight that fails (the last one, where training ended on a step that saved
             # nothing, as with save_strategy="best") is set aside too, out of the next run's rotation
-            if self.checkpointer is not None:
+            if self.checkpointer is not None and not self._settled:
                 self._wait_for_saves(self.checkpointer)
         finally:
             self.close()
