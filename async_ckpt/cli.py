@@ -2,8 +2,8 @@
 
 Every command that reads a root takes any fsspec URL; ``--endpoint`` and ``--storage-options``
 (JSON) reach S3-compatible stores. Data commands accept ``--json``. Exit code 0 means success,
-1 a failed check, 2 bad input, a tag this version cannot read (another version's manifest format)
-or an unreachable destination.
+1 a failed check or a demo or bench run that failed on one of its ranks, 2 bad input, a tag this
+version cannot read (another version's manifest format) or an unreachable destination.
 """
 
 from __future__ import annotations
@@ -326,12 +326,16 @@ def _unreachable(exc: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from async_ckpt.errors import AsyncCkptError
+    from async_ckpt.launch import RankError
 
     args = build_parser().parse_args(argv)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to the stdout it finds at import; ours is data
         import deepspeed  # noqa: F401
     try:
         return args.func(args)
+    except RankError as exc:  # the demo's or bench's input was checked before its ranks started
+        print(f"async-ckpt {args.command}: failed on a rank: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (AsyncCkptError, json.JSONDecodeError, FileNotFoundError) as exc:  # JSON: a corrupt file read
         print(f"async-ckpt {args.command}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -344,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_INPUT
         if not _unreachable(exc):
             raise
+        if getattr(args, "url", None) is None:  # demo, bench on local disk: no URL, endpoint or credentials
+            print(f"async-ckpt {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         output = getattr(args, "dest", None) or getattr(args, "out", None)
         where = (getattr(args, "url", None) or "the checkpoint") + (f" or write to {output}" if output else "")
         print(f"async-ckpt {args.command}: cannot read {where}: {type(exc).__name__}: {str(exc).rstrip('.')}. "

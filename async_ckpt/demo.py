@@ -80,6 +80,8 @@ def run_demo(root: str | None = None, steps: int = 20, save_every: int = 5, size
     if steps % save_every:
         raise UsageError(f"--steps {steps} is not a multiple of --save-every {save_every}: phase 1 ends with a save, "
                          "which phase 2 resumes from; pass a multiple")
+    if root is not None and os.path.exists(root) and not os.path.isdir(root):
+        raise UsageError(f"--dir {root} is a file; pass a new or empty folder, or leave --dir out")
     if root is not None and os.path.isdir(root) and os.listdir(root):
         raise UsageError(f"--dir {root} is not empty (an earlier demo's checkpoints?): the demo's tags would clash "
                          "with them; pass a new or empty folder, or leave --dir out")

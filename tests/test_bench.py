@@ -153,6 +153,38 @@ def test_the_steps_before_a_save_leave_out_those_an_earlier_save_was_writing_thr
     assert next_step_over_before(steps, "m", saves, before=3) == pytest.approx(1.5)
 
 
+def test_dcp_time_to_durable_runs_from_the_save_call_including_its_wait_for_the_previous_save(tmp_path):
+    import threading
+    import time
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from async_ckpt.bench.methods import DcpAsyncSave
+
+    futures = []
+
+    def async_save(state, storage_writer, process_group):  # the first save ends 0.5 s on, the second at once
+        future = Future()
+        if futures:
+            future.set_result(None)
+        else:
+            threading.Timer(0.5, future.set_result, (None,)).start()
+        futures.append(future)
+        return future
+
+    method = DcpAsyncSave.__new__(DcpAsyncSave)
+    method.__dict__.update(rank=0, target={"kind": "local"}, root=str(tmp_path), futures=[], durable_s=[],
+                           extra_stall_s=[], group=None, bytes_per_save=1,
+                           dcp=SimpleNamespace(FileSystemWriter=lambda *a, **k: None, async_save=async_save),
+                           engine=SimpleNamespace(optimizer=SimpleNamespace(state_dict=dict)))
+    method.save("first")
+    started = time.perf_counter()
+    method.save("second")  # waits for the first
+    call_s = time.perf_counter() - started
+    method.finish()
+    assert len(method.durable_s) == 2 and method.durable_s[1] > call_s / 2  # not ~0: the call waited 0.5 s
+
+
 def test_bench_explains_every_method_it_could_not_run(bench):
     _, report = bench
     for metrics in report["summary"]["methods"].values():
@@ -620,6 +652,51 @@ def test_bench_deletes_each_methods_checkpoints_before_the_next_method_trains(be
                    if "skipped" not in method)
     if report["target"]["kind"] == "local":
         assert not any((out / "work").glob("*/global_step*")) and not any((out / "work").rglob("*.pt"))
+
+
+def test_a_method_deletes_its_checkpoints_from_s3_once_measured(s3, bucket):
+    from async_ckpt.bench.methods import Method
+
+    client = s3.client()
+    for key in ("run/async_ckpt/async_ckpt-0-0/mp_rank_00_model_states.pt", "run/async_ckpt/latest", "run/dcp/x"):
+        client.put_object(Bucket=bucket, Key=key, Body=b"x")
+    method = Method(None, {"kind": "s3", "storage_options": {"endpoint_url": s3.endpoint}}, 0)
+    method.root = f"s3://{bucket}/run/async_ckpt"
+    method.discard()
+    left = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert left == ["run/dcp/x"]
+
+
+def test_each_run_against_a_users_url_saves_under_a_new_folder_and_removes_it_at_the_end(s3, bucket, tmp_path):
+    from async_ckpt.bench.save_bench import _start_target, stop_target
+
+    cfg = BenchConfig.quick(url=f"s3://{bucket}/runs", endpoint=s3.endpoint, target="s3")
+    first, server = _start_target(cfg, str(tmp_path))
+    second, _ = _start_target(cfg, str(tmp_path))
+    assert server is None and first["url"] != second["url"]
+    assert all(t["url"].startswith(f"s3://{bucket}/runs/bench-") for t in (first, second))
+    client = s3.client()
+    for target in (first, second):
+        client.put_object(Bucket=bucket, Key=target["url"].split("/", 3)[3] + "/stock/latest", Body=b"x")
+    stop_target(first, None)
+    left = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert left == [second["url"].split("/", 3)[3] + "/stock/latest"]
+
+
+@pytest.mark.parametrize("overrides, error", [({"target": "s3", "endpoint": "http://127.0.0.1:9"}, "--endpoint"),
+                                              ({"endpoint": "http://127.0.0.1:9"}, "--endpoint"),
+                                              ({"out": "{tmp}/file"}, "is a file"),
+                                              ({"out": "{tmp}/file/results"}, "cannot be made")])
+def test_bench_refuses_arguments_it_would_ignore_or_fail_on_at_the_end_before_it_starts(overrides, error, tmp_path,
+                                                                                      monkeypatch):
+    import async_ckpt.launch
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(async_ckpt.launch, "RankGroup", None)  # a run that started would fail on it
+    overrides = {k: v.format(tmp=tmp_path) for k, v in overrides.items()}
+    with pytest.raises(UsageError, match=error):
+        run(BenchConfig.quick(**{"out": str(tmp_path / "out"), **overrides}))
+    assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 def test_bench_writeback_cap_option_sets_how_long_a_method_trains_on_after_its_last_save():

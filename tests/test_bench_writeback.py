@@ -1,4 +1,5 @@
-"""The bench charges a save the steps that the kernel's deferred writeback of its page-cache bytes slows."""
+"""The bench charges a save the steps that the kernel's deferred writeback of its page-cache bytes slows, and
+the steps a save's own wait slowed only once."""
 
 from __future__ import annotations
 
@@ -168,3 +169,15 @@ def test_steps_during_a_set_up_left_in_the_background_are_charged_to_it_not_the_
     ours = summary["methods"]["async_ckpt"]
     assert summary["median_step_s_outside_saves"] == pytest.approx(1.0)
     assert ours["setup_steps"] == 2 and ours["setup_steps_extra_per_turn_s"] == pytest.approx(2.0)
+
+
+def test_a_wait_inside_the_step_after_a_save_counts_once_in_the_training_time_lost():
+    """DeepSpeed's decoupled save returns in 0.1 s and commits, blocking for 0.5 s, inside the next step:
+    that step takes 1.5 s where the others take 1 s. The save cost training 0.1 + 0.5 s, not 0.1 + 0.5 + 0.5."""
+    before, t = _steps("ds_decoupled", 0.0, [1.0, 1.0, 1.0], [0] * 3)
+    save = {"start": t, "call_s": 0.1, "durable_s": 0.6, "extra_stall_s": 0.5, "dirty_before": 0, "dirty_after": 0}
+    after, _ = _steps("ds_decoupled", t + 0.1, [1.5, 1.0, 1.0], [0] * 3)
+    decoupled = summarize(_report(before + after, {"ds_decoupled": [save]}))["methods"]["ds_decoupled"]
+    assert decoupled["stall_s"] == pytest.approx(0.6)
+    assert decoupled["training_time_lost_per_save_s"] == pytest.approx(0.6)
+    assert decoupled["lost_incl_writeback_per_save_s"] == pytest.approx(0.6)

@@ -11,6 +11,7 @@ import pytest
 import rank_tasks
 from async_ckpt.cli import main
 from async_ckpt.errors import CorruptManifestError
+from async_ckpt.launch import RankError
 from async_ckpt.gc import collect_garbage
 from async_ckpt.layout import manifest_path
 from async_ckpt.manifest import Manifest
@@ -500,6 +501,34 @@ def test_pull_shows_a_byte_progress_bar_on_stderr(local_root, capsys, tmp_path):
     code, out, err = run_cli(capsys, "pull", str(local_root), "--dest", str(tmp_path / "pulled"))
     assert code == 0 and "pulled second" in out
     assert "pull second" in err and "100%" in err
+
+
+def test_demo_refuses_a_file_as_its_folder(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path / "file"))
+    assert code == 2 and "--dir" in err and "is a file" in err and "Traceback" not in err
+
+
+def test_a_demo_that_cannot_write_its_folder_says_so_without_naming_an_endpoint(capsys, monkeypatch):
+    import async_ckpt.demo
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/ro/ckpt")
+
+    monkeypatch.setattr(async_ckpt.demo, "run_demo", refused)
+    code, _, err = run_cli(capsys, "demo", "--dir", "/ro/ckpt")
+    assert code == 2 and "Permission denied: '/ro/ckpt'" in err and "endpoint" not in err
+
+
+def test_a_bench_that_failed_on_a_rank_exits_as_a_failure_not_as_bad_input(capsys, monkeypatch, tmp_path):
+    import async_ckpt.bench.save_bench
+
+    def failed(cfg):
+        raise RankError("rank 1 failed: RuntimeError: out of memory")
+
+    monkeypatch.setattr(async_ckpt.bench.save_bench, "run", failed)
+    code, _, err = run_cli(capsys, "bench", "--quick", "--out", str(tmp_path / "out"))
+    assert code == 1 and "failed on a rank: rank 1 failed" in err
 
 
 MISSING_TAG = [("verify",), ("pull", "--dest", "{tmp}/pulled"), ("export", "--out", "{tmp}/exported"),

@@ -7,6 +7,7 @@ from the save call to durability.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -48,9 +49,18 @@ class Method:
         pass
 
     def discard(self) -> None:
-        """Delete this method's local checkpoints once measured, so a long run does not fill the disk."""
-        if self.target["kind"] == "local" and self.rank == 0:
+        """Delete this method's checkpoints once measured, so that a long run does not fill the disk, nor the
+        embedded S3 server's memory."""
+        if self.rank != 0 or not self.root:
+            return
+        if "://" not in self.root:
             shutil.rmtree(self.root, ignore_errors=True)
+            return
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(self.root, **self.target["storage_options"])
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(path, recursive=True)
 
 
 def _dir_bytes(path: str) -> int:
@@ -185,7 +195,9 @@ class DcpAsyncSave(Method):
 
     def save(self, tag: str) -> None:
         # Two async_save calls in flight run their collectives concurrently on one group and can
-        # deadlock, so (as DCP recommends) the previous one is awaited first; that wait is stall.
+        # deadlock, so (as DCP recommends) the previous one is awaited first; that wait is stall, and in the
+        # time to durable, which runs from the call as for every method
+        started = time.perf_counter()
         self._drain()
         path = f"{self.root}/{tag}"
         if self.target["kind"] == "local":
@@ -194,7 +206,6 @@ class DcpAsyncSave(Method):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             writer = FsspecWriter(path, thread_count=2, **self.writer_kwargs)
-        started = time.perf_counter()
         future = self.dcp.async_save(self._state(), storage_writer=writer, process_group=self.group)
         ended: list[float] = []  # timed when the write ends, not when a poll after a step notices it
         future.add_done_callback(lambda _: ended.append(time.perf_counter()))

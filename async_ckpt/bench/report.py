@@ -104,6 +104,7 @@ def summarize(report: dict) -> dict:
     persist_floor = s3_floor_gbps if report["target"]["kind"] == "s3" else local_floor_gbps
     rank0_steps = [s for s in ranks[0]["steps"] if s["method"] != "warmup"]
     windows: dict[str, list[tuple[float, float]]] = {}
+    waited_in_windows: dict[str, float] = {}
     methods: dict[str, Any] = {}
     stock_stall = None
     for name, first in ranks[0]["methods"].items():
@@ -111,6 +112,7 @@ def summarize(report: dict) -> dict:
             methods[name] = {"skipped": first["skipped"]}
             continue
         per_save_stall, per_save_durable, windows[name] = [], [], []
+        waited_in_windows[name] = 0.0
         for i, save0 in enumerate(first["saves"]):
             saves = [r["methods"][name]["saves"][i] for r in ranks]
             per_save_stall.append(max(s["call_s"] + s["extra_stall_s"] for s in saves))
@@ -122,6 +124,9 @@ def summarize(report: dict) -> dict:
             tail = max(s["durable_s"] - s["call_s"] for s in saves)
             if tail > 0:
                 windows[name].append((save0["start"] + save0["call_s"], save0["start"] + save0["call_s"] + tail))
+                # the stall a later step waits for (the next optimizer step's wait for the copy, DeepSpeed's
+                # decoupled commit) is in the stall and in that step's time, which falls in this window
+                waited_in_windows[name] += max(s["extra_stall_s"] for s in saves)
         total_bytes = sum(r["methods"][name]["bytes_per_save"] for r in ranks)
         stall = _median(per_save_stall)
         durable = _median(per_save_durable)
@@ -194,7 +199,8 @@ def summarize(report: dict) -> dict:
         # the write. Signed (a step faster than the median offsets a slower one), else step-time noise alone
         # would count as lost time for every method that writes in the background; never below zero.
         saves = len(ranks[0]["methods"][name]["saves"])
-        extra = max(0.0, sum(t - base for t in inside)) / saves if base else 0.0
+        waited = waited_in_windows[name]  # counted once, in the stall
+        extra = max(0.0, sum(t - base for t in inside) - waited) / saves if base else 0.0
         if methods[name].get("stall_s") is not None:
             methods[name]["training_time_lost_per_save_s"] = methods[name]["stall_s"] + extra
         # the same, counting also the steps until the kernel wrote the saves' page-cache bytes back; the
@@ -214,7 +220,7 @@ def summarize(report: dict) -> dict:
             methods[name][key] = None
         if spans is not None and base:
             with_writeback = [s["end"] - s["start"] for s in costed]
-            signed = sum(t - base for t in with_writeback) / saves
+            signed = (sum(t - base for t in with_writeback) - waited) / saves
             methods[name]["steps_inside_writeback_windows"] = len(with_writeback)
             methods[name]["writeback_extra_signed_per_save_s"] = signed
             # against the method's own ordinary steps instead of the run's: step time drifts between the
@@ -222,7 +228,7 @@ def summarize(report: dict) -> dict:
             own = _median([s["end"] - s["start"] for s in outside_steps if s["method"] == name])
             if own:
                 methods[name]["writeback_extra_signed_vs_own_steps_per_save_s"] = (
-                    sum(t - own for t in with_writeback) / saves)
+                    (sum(t - own for t in with_writeback) - waited) / saves)
             if methods[name].get("stall_s") is not None:
                 methods[name]["lost_incl_writeback_per_save_s"] = methods[name]["stall_s"] + max(0.0, signed)
     stock_with_writeback = methods.get("stock", {}).get("lost_incl_writeback_per_save_s")

@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +35,8 @@ ALL_METHODS = list(METHODS)
 #: What a run without --methods compares: every method but the prototypes run on request only.
 DEFAULT_METHODS = [m for m in METHODS if m not in ON_REQUEST]
 WORKLOADS = ("gpt", "mlp")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -253,13 +256,33 @@ def _machine() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+def check_run_arguments(cfg: BenchConfig) -> None:
+    """Refuse what the run would fail on, or silently ignore, before it starts (it may take an hour);
+    then make ``--out``, where it writes its results only at the end."""
+    if cfg.endpoint and not cfg.url:
+        raise UsageError(f"--endpoint {cfg.endpoint} is the S3 endpoint of --url: pass --url s3://bucket/prefix "
+                         "with it, or drop --endpoint to benchmark an embedded moto server")
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise UsageError(f"--out {cfg.out} is a file; pass a folder for the results")
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {cfg.out} cannot be made ({exc.strerror}); pass a folder you can write to") from exc
+    if not os.access(cfg.out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {cfg.out} is not writable; pass a folder you can write to")
+
+
 def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
+    """Where the run saves, and the embedded S3 server it started (None: none). With ``--url``, each run
+    saves under a new folder of it, so that no run meets an earlier one's tags; :func:`stop_target` removes it."""
     if cfg.target == "local":
         return {"kind": "local", "local_dir": workdir, "url": workdir, "storage_options": {}}, None
     server = None
     endpoint = cfg.endpoint
     url = cfg.url
-    if url is None:
+    if url is not None:
+        url = f"{url.rstrip('/')}/bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    else:
         from moto.server import ThreadedMotoServer
 
         from async_ckpt.launch import free_port
@@ -274,10 +297,31 @@ def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
         endpoint = f"http://127.0.0.1:{port}"
         import boto3
 
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        try:
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        except BaseException:
+            server.stop()
+            raise
         url = "s3://bench/run"
     options = {"endpoint_url": endpoint} if endpoint else {}
     return {"kind": "s3", "local_dir": workdir, "url": url, "storage_options": options}, server
+
+
+def stop_target(target: dict | None, server: Any) -> None:
+    """Stop the embedded S3 server, or remove what this run left under its folder of the user's ``--url``."""
+    if server is not None:
+        server.stop()
+    elif target is not None and target["kind"] != "local":
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(target["url"], **target["storage_options"])
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass  # every method's checkpoints were deleted once measured
+        except Exception as exc:  # the results stand: say what is left
+            logger.warning("could not remove this run's checkpoints under %s: %s: %s", target["url"],
+                           type(exc).__name__, exc)
 
 
 def run(cfg: BenchConfig) -> dict:
@@ -295,6 +339,7 @@ def run(cfg: BenchConfig) -> dict:
     if cfg.target == "tiered":
         if cfg.workload != "gpt" or cfg.rounds != 1:
             raise UsageError("--target tiered trains the gpt workload only, in one round (drop --workload/--rounds)")
+        check_run_arguments(cfg)
         from async_ckpt.bench.tiered import run as run_tiered
 
         return run_tiered(cfg)
@@ -304,15 +349,16 @@ def run(cfg: BenchConfig) -> dict:
     unknown = set(cfg.methods) - set(METHODS)
     if unknown:
         raise UsageError(f"unknown method(s) {sorted(unknown)}; choose from {ALL_METHODS}")
+    check_run_arguments(cfg)
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="async_ckpt_bench_")  # removed at the end if ours
-    target, server = _start_target(cfg, workdir)
+    target, server = None, None
     started = time.time()
     try:
+        target, server = _start_target(cfg, workdir)
         with RankGroup(cfg.ranks, daemon=False, env={"DS_ACCELERATOR": cfg.device}) as ranks:
             raw = ranks.run(bench_rank, asdict(cfg), target, timeout_s=3600)
     finally:
-        if server is not None:
-            server.stop()
+        stop_target(target, server)
         if cfg.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     report = {"config": asdict(cfg), "machine": _machine(), "target": {k: v for k, v in target.items()
@@ -356,7 +402,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"its page-cache bytes back (default {DRAIN_CAP_S:g}, 5 with --quick)")
     parser.add_argument("--target", choices=["local", "s3", "tiered"], default="local",
                         help="tiered: saves to a node-local tier drained to S3 (moto, or --url), and restart times")
-    parser.add_argument("--url", default=None, help="s3://bucket/prefix (default: an embedded moto server)")
+    parser.add_argument("--url", default=None, help="s3://bucket/prefix (default: an embedded moto server); each run "
+                                                    "saves under a new folder of it and removes it at the end")
     parser.add_argument("--endpoint", default=None, help="S3 endpoint URL for --url")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help=f"comma-separated subset of {ALL_METHODS} (default: all but {', '.join(ON_REQUEST)})")

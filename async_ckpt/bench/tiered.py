@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Iterator
 
-from async_ckpt.bench.save_bench import BenchConfig, _machine, _quiet, _start_target
+from async_ckpt.bench.save_bench import BenchConfig, _machine, _quiet, _start_target, stop_target
 
 GB = 1e9
 RESTARTS = ("local", "bucket", "stock")
@@ -280,14 +280,15 @@ def run(cfg: BenchConfig) -> dict:
     from async_ckpt.launch import RankGroup
 
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="async_ckpt_bench_tiered_")  # removed at the end if ours
-    target, server = _start_target(cfg, workdir)
     work = os.path.join(workdir, "tiered")
-    os.makedirs(work, exist_ok=True)
     config = {k: v for k, v in asdict(cfg).items() if k != "methods"}
     env = {"DS_ACCELERATOR": cfg.device}
     started = time.time()
     restarts: dict[str, tuple[float, list[dict]]] = {}
+    target, server = None, None
     try:
+        target, server = _start_target(cfg, workdir)
+        os.makedirs(work, exist_ok=True)
         with RankGroup(cfg.ranks, env=env) as ranks:
             saves = ranks.run(save_rank, config, target, work, timeout_s=3600)
         for how in RESTARTS:
@@ -298,8 +299,7 @@ def run(cfg: BenchConfig) -> dict:
             with RankGroup(cfg.ranks, env=env) as ranks:
                 restarts[how] = (t0, ranks.run(restart_rank, config, target, work, how, timeout_s=3600))
     finally:
-        if server is not None:
-            server.stop()
+        stop_target(target, server)
         if cfg.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     expected = (saves[0]["saves"][-1]["tag"], saves[0]["saves"][-1]["global_steps"])
