@@ -82,8 +82,8 @@ class FaultProxy:
 
     The fault ``kind`` is ``"503"`` (a SlowDown answer), ``"429"`` (TooManyRequests), ``"reset"`` (the connection is closed
     without an answer) or ``"stall"`` (no answer for ``stall_s`` seconds, then the connection is
-    closed: a client read timeout shorter than that sees a timeout) or ``"unread"`` (the part's body is left
-    unread, with no answer, until ``heal()``: a store that stops reading mid-part). ``fail_next_parts(n)`` fails
+    closed: a client read timeout shorter than that sees a timeout) or ``"unread"`` (the body of a part, or of a
+    whole object's PUT, is left unread, with no answer, until ``heal()``: a store that stops reading mid-body). ``fail_next_parts(n)`` fails
     the next n part uploads (transient); ``fail_all_parts()`` fails every one (permanent);
     ``heal()`` stops injecting. Other processes (the ranks) do the same with
     ``POST {endpoint}/__faults__?parts=N`` (see :func:`set_faults`). ``hold`` (or
@@ -146,7 +146,7 @@ class FaultProxy:
 
             def _relay(self):
                 query = parse_qs(urlsplit(self.path).query)
-                if self.command == "PUT" and "partNumber" in query and proxy.kind == "unread" and proxy._take_fault():
+                if self.command == "PUT" and proxy.kind == "unread" and proxy._take_fault():
                     proxy._healed.wait()
                     self.close_connection = True
                     return

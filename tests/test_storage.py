@@ -379,15 +379,16 @@ def test_s3_upload_going_on_after_close_fails_rather_than_starting_upload_thread
     assert s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_s3_part_whose_body_the_store_stops_reading_is_given_up_and_sent_again(s3, bucket, monkeypatch):
-    """botocore's read timeout starts once the body is sent; a part the store stops reading mid-body
-    would otherwise hold the upload until TCP gives up, or for ever. One part of 16 MiB: more than the
-    loopback socket buffers take while the store reads nothing."""
+@pytest.mark.parametrize("part_size", [16 * 1024 * 1024, 32 * 1024 * 1024], ids=["part", "whole-object-put"])
+def test_s3_body_the_store_stops_reading_is_given_up_and_sent_again(s3, bucket, monkeypatch, part_size):
+    """botocore's read timeout starts once the body is sent; a body the store stops reading mid-way
+    would otherwise hold the upload until TCP gives up, or for ever. 16 MiB: more than the loopback
+    socket buffers take while the store reads nothing; one part, or one PUT under a larger part size."""
     monkeypatch.setattr(s3_storage, "SLOWEST_PART_BYTES_PER_S", 16 * 1024 * 1024)  # a deadline of 3 s here
     proxy = FaultProxy(s3.endpoint)
     proxy.fail_next_parts(1, kind="unread")
     opts = options(proxy.endpoint, config_kwargs={"read_timeout": 1.0, "connect_timeout": 1.0})
-    storage = open_storage(f"s3://{bucket}/run", opts, part_size=16 * 1024 * 1024,
+    storage = open_storage(f"s3://{bucket}/run", opts, part_size=part_size,
                            retry=RetryPolicy(attempts=3, base_delay_s=0.05))
     payload = os.urandom(16 * 1024 * 1024)
     outcome: list[BaseException | None] = []

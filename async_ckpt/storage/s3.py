@@ -75,11 +75,27 @@ SMALL_FILE = 1024 * 1024
 MAX_PARTS = 10_000
 PARTS_PER_SIZE = 1000
 
-#: A part's request is given up (and retried) once it has taken longer than the client's connect and read
-#: timeouts plus its size at this rate. botocore's read timeout starts only once the body is sent, so a
-#: store that stops reading mid-part would hold the request until TCP gives up (about 15 min), or for
-#: ever while the store keeps answering with a zero window.
+#: A request that sends a body (a part, or a whole small object) is given up (and retried) once it has taken
+#: longer than the client's connect and read timeouts plus its size at this rate. botocore's read timeout
+#: starts only once the body is sent, so a store that stops reading mid-body would hold the request until TCP
+#: gives up (about 15 min), or for ever while the store keeps answering with a zero window.
 SLOWEST_PART_BYTES_PER_S = 256 * 1024
+
+
+async def _sent_in_time(s3: Any, nbytes: int, send: Callable[[], Awaitable[Any]]) -> Any:
+    """``send()``'s answer, or TimeoutError once a request with a body of ``nbytes`` took longer than it may
+    (see SLOWEST_PART_BYTES_PER_S): a transient error, retried."""
+    config = s3.meta.config
+    deadline = (config.connect_timeout or 0) + (config.read_timeout or 0) + nbytes / SLOWEST_PART_BYTES_PER_S
+    limit = asyncio.timeout(deadline)
+    try:
+        async with limit:
+            return await send()
+    except TimeoutError as exc:
+        if not limit.expired():
+            raise
+        raise TimeoutError(f"no answer within {deadline:.0f} s (the client's connect and read timeouts, and the "
+                           f"body of {nbytes} bytes at {SLOWEST_PART_BYTES_PER_S // 1024} KiB/s)") from exc
 
 #: Every part carries its CRC-32, which the store checks on arrival and combines into the object's
 #: checksum at completion (boto3's TransferManager does the same; the store finishes faster with it).
@@ -685,22 +701,11 @@ class MultipartUpload:
     async def _upload_part(self, number: int, part: io.BytesIO, s3: Any) -> dict[str, Any]:
         task = asyncio.current_task()
         self._running.add(task)
-        config = s3.meta.config
-        deadline = (config.connect_timeout or 0) + (config.read_timeout or 0) \
-            + part.getbuffer().nbytes / SLOWEST_PART_BYTES_PER_S
 
-        async def attempt() -> Any:
-            limit = asyncio.timeout(deadline)
-            try:
-                async with limit:
-                    return await self._storage.request(s3, "upload_part", Bucket=self._storage.bucket, Key=self._key,
-                                                       PartNumber=number, UploadId=self._upload_id,
-                                                       Body=_rewound(part), **_checksum_args(s3))
-            except TimeoutError as exc:
-                if not limit.expired():
-                    raise
-                raise TimeoutError(f"no answer within {deadline:.0f} s (the client's connect and read timeouts, "
-                                   f"and the part at {SLOWEST_PART_BYTES_PER_S // 1024} KiB/s)") from exc
+        def attempt() -> Awaitable[Any]:
+            return _sent_in_time(s3, part.getbuffer().nbytes, lambda: self._storage.request(
+                s3, "upload_part", Bucket=self._storage.bucket, Key=self._key, PartNumber=number,
+                UploadId=self._upload_id, Body=_rewound(part), **_checksum_args(s3)))
 
         try:
             resp = await self._storage.retry.run(f"part {number} of {self._key}", attempt)
@@ -731,9 +736,9 @@ class MultipartUpload:
 
             async def put() -> None:
                 s3 = await storage._client()
-                await storage.retry.run(f"PUT {self._key}",
-                                        lambda: storage.request(s3, "put_object", Bucket=storage.bucket, Key=self._key,
-                                                                     Body=_rewound(part)))
+                await storage.retry.run(f"PUT {self._key}", lambda: _sent_in_time(
+                    s3, part.getbuffer().nbytes, lambda: storage.request(s3, "put_object", Bucket=storage.bucket,
+                                                                         Key=self._key, Body=_rewound(part))))
                 storage.stats.add(bytes_uploaded=part.getbuffer().nbytes)
 
             self._wait(storage._run(put()))
