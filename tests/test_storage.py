@@ -478,6 +478,18 @@ def test_s3_download_denied_for_a_key_names_both_causes_s3_gives_a_403_for(s3, b
         proxy.stop()
 
 
+def test_s3_read_denied_for_a_key_is_a_permission_error_naming_it(s3, bucket):
+    proxy = FaultProxy(s3.endpoint)
+    proxy.no_list_permission = True
+    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint))
+    try:
+        with pytest.raises(PermissionError, match=r"s3:GetObject.*s3:ListBucket.*run/latest"):
+            storage.read_bytes("latest")
+    finally:
+        storage.close()
+        proxy.stop()
+
+
 def test_s3_listing_survives_transient_server_errors(s3, bucket):
     """s3fs's own requests (listings, HEADs, deletes) retry 5xx as botocore does."""
     proxy = FaultProxy(s3.endpoint)
@@ -537,6 +549,17 @@ def test_s3_completion_answered_no_such_upload_with_no_object_there_fails(s3, bu
         _write_with_lost_completion(s3, bucket, relayed=False)
     client = s3.client()
     assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="run/tag/")
+    for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+
+def test_s3_completion_failing_for_another_cause_than_the_parts_after_they_grew_does_not_point_at_equal_parts(
+        s3, bucket, monkeypatch):
+    monkeypatch.setattr(s3_storage, "PARTS_PER_SIZE", 1)  # the 11 MiB file's second part is 10 MiB
+    with pytest.raises(StorageError, match="NoSuchUpload") as raised:
+        _write_with_lost_completion(s3, bucket, relayed=False)
+    assert "equal_parts" not in str(raised.value)
+    client = s3.client()
     for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
         client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
 

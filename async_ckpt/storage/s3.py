@@ -59,6 +59,10 @@ def _not_found(exc: BaseException) -> bool:
     return _error_code(exc) in ("NoSuchKey", "404")
 
 
+#: Errors completing a multipart upload that are not about its parts (their sizes).
+_NOT_THE_PARTS = ("NoSuchUpload", "NoSuchBucket", "AccessDenied", "403", "404", "SlowDown", "InternalError")
+
+
 def _replaced(exc: BaseException) -> bool:
     """Whether a client error is S3's answer that the object no longer has the ETag asked for (``If-Match``)."""
     return _error_code(exc) in ("PreconditionFailed", "412")
@@ -555,6 +559,11 @@ class S3Storage(FsspecStorage):
             except Exception as exc:
                 if _not_found(exc):
                     raise FileNotFoundError(f"s3://{self.bucket}/{key}") from None
+                if _error_code(exc) in ("403", "AccessDenied"):  # as s3fs's reads raise it: callers that
+                    # take an unreadable file for one (catalog.inspect_latest) work on S3 too
+                    raise PermissionError(errno.EACCES, "access denied (403): the credentials may not read it "
+                                          "(s3:GetObject), or it does not exist and they may not list the bucket "
+                                          "(s3:ListBucket)", f"s3://{self.bucket}/{key}") from exc
                 raise
             async with resp["Body"] as body:
                 return await body.read()
@@ -765,7 +774,8 @@ class MultipartUpload:
         try:
             self._wait(storage._run(finish()))
         except StorageError as exc:
-            if self._part_size == storage.part_size:
+            # the hint only where the store refused the parts themselves: not a timeout, a lost upload, a denial
+            if self._part_size == storage.part_size or _error_code(exc.__cause__) in (None, *_NOT_THE_PARTS):
                 raise
             raise StorageError(f"{exc}. Its parts grew from {storage.part_size} to {self._part_size} bytes after "
                                f"every {PARTS_PER_SIZE} parts; if the store needs every part but the last of one "
