@@ -367,6 +367,38 @@ def test_s3_close_during_an_upload_fails_the_upload_rather_than_hanging_it(s3, b
     assert s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
+def test_s3_sends_max_concurrency_parts_at_once_on_one_lane_beyond_botocores_ten_connections(s3, bucket):
+    proxy = FaultProxy(s3.endpoint)
+    proxy.hold = "run/tag/blob.bin"  # every part hangs until healed: those in flight at once are counted
+    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint), part_size=5 * 1024 * 1024,
+                           max_concurrency=12, upload_threads=1)
+    payload = os.urandom(12 * 5 * 1024 * 1024 + 1)
+    errors: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            with storage.open_write("tag/blob.bin") as stream:
+                stream.write(payload)
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            errors.append(exc)
+
+    writer = threading.Thread(target=upload)
+    try:
+        writer.start()
+        deadline = time.monotonic() + 15
+        while proxy.held < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        in_flight = proxy.held
+        proxy.heal()
+        writer.join(timeout=120)
+        assert in_flight == 12 and not writer.is_alive() and errors == []
+        assert s3.client().get_object(Bucket=bucket, Key="run/tag/blob.bin")["Body"].read() == payload
+    finally:
+        proxy.stop()
+        writer.join(timeout=60)
+        storage.close()
+
+
 def test_s3_upload_going_on_after_close_fails_rather_than_starting_upload_threads_again(s3, bucket):
     storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint), part_size=5 * 1024 * 1024)
     before = _upload_threads()  # of storages earlier tests left to the garbage collector

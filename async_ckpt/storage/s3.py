@@ -291,6 +291,8 @@ class S3Storage(FsspecStorage):
         theirs, ours = dict(config_kwargs), dict(config_kwargs)
         theirs.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
         ours.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        # botocore's pool holds 10 connections: a part beyond them would wait for one inside its deadline
+        ours.setdefault("max_pool_connections", max(10, max_concurrency or 8))
         fs = s3fs.S3FileSystem(config_kwargs=theirs, **options)
         try:  # the client is made here: options s3fs does not know and unusable credentials fail now, typed
             fs.connect()
