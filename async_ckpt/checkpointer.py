@@ -100,6 +100,9 @@ class _Session:
     #: The folder DeepSpeed's file paths are taken relative to, as the storage's paths are to its
     #: root: the shadow folder (``None``) for save_checkpoint, the export's parent for save_16bit_model.
     base: str | None = None
+    #: Why a file's snapshot failed: raised once DeepSpeed's save returns. Raised from inside it, it would
+    #: skip DeepSpeed's closing barrier, where the ranks whose snapshots succeeded would wait until the timeout.
+    failure: Exception | None = None
 
 
 def _remove_folder(path: str, owner_pid: int) -> None:
@@ -650,6 +653,8 @@ class AsyncCheckpointer:
                                                       save_latest=False,
                                                       exclude_frozen_parameters=exclude_frozen_parameters)
                 files, snapshot_s = self._session.files, self._session.snapshot_s
+                if self._session.failure is not None:  # the save fails; the other ranks' saves with it (above)
+                    raise self._session.failure
             finally:
                 self._session = None
             deepspeed_s = time.perf_counter() - entered
@@ -1060,20 +1065,27 @@ class AsyncCheckpointer:
         if self._session is None:  # a save DeepSpeed makes outside save_checkpoint: keep it synchronous
             torch.save(state_dict, path)
             return
-        relpath = os.path.relpath(path, self._session.base or self._shadow).replace(os.sep, "/")
+        session = self._session
+        if session.failure is not None:  # an earlier file's snapshot failed: the save fails once DeepSpeed's ends
+            return
+        # the path as the save's root was taken from it (save_16bit_model: normalized, "~" expanded)
+        relpath = os.path.relpath(os.path.expanduser(path), session.base or self._shadow).replace(os.sep, "/")
         name = relpath.rsplit("/", 1)[-1]
         slot_key = relpath.split("/", 1)[-1]  # the path in the tag: the same from save to save, one per file
         defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
         compact = isinstance(state_dict, CloneRequest)
         started = time.perf_counter()
-        write_in_place = self.synchronous and not compact and not self._session.storage.aligned_lending
-        staged = in_place(state_dict, relpath) if write_in_place else None
+        write_in_place = self.synchronous and not compact and not session.storage.aligned_lending
         # buffers are placed where O_DIRECT can write them from, which torch's own scratch-file save does not
-        placed = self._session.storage.aligned_lending and not self.config.exact_bytes
-        self._session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
-                                                                 slot_key=slot_key, defer=defer, compact=compact,
-                                                                 offsets_of=record_offsets if placed else None))
-        self._session.snapshot_s += time.perf_counter() - started
+        placed = session.storage.aligned_lending and not self.config.exact_bytes
+        try:
+            staged = in_place(state_dict, relpath) if write_in_place else None
+            session.files.append(staged or self._pool.snapshot(state_dict.item if compact else state_dict, relpath,
+                                                               slot_key=slot_key, defer=defer, compact=compact,
+                                                               offsets_of=record_offsets if placed else None))
+        except Exception as exc:  # an object that cannot be copied, memory that cannot be had: see _Session
+            session.failure = exc
+        session.snapshot_s += time.perf_counter() - started
 
     def _engine_take_model_step(self, *args: Any, **kwargs: Any) -> Any:
         """Stand-in for the engine's optimizer step after wrap: wait for the overlapped copy first.
@@ -1241,11 +1253,18 @@ class AsyncCheckpointer:
         waited = self._gather_checked(f"to open {root} (the export's root), or to wait for the previous save to "
                                       "free the staging buffers", open_and_wait)[self.rank]
         storage = opened[0]
-        self._session = _Session(storage, base=os.path.dirname(os.fspath(save_dir).rstrip("/")) or ".")
+        self._session = _Session(storage, base=root)
         entered = time.perf_counter()
+
+        def snapshot() -> bool:
+            saved = type(self.engine).save_16bit_model(self.engine, save_dir, save_filename,
+                                                       exclude_frozen_parameters=exclude_frozen_parameters)
+            if self._session.failure is not None:
+                raise self._session.failure
+            return saved
+
         try:  # DeepSpeed hands rank 0 alone the dict to save: where its snapshot fails, every rank raises
-            saved = self._gather_checked("to snapshot the 16-bit model", lambda: type(self.engine).save_16bit_model(
-                self.engine, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters))[self.rank]
+            saved = self._gather_checked("to snapshot the 16-bit model", snapshot)[self.rank]
             files, snapshot_s = self._session.files, self._session.snapshot_s
         finally:
             self._session = None

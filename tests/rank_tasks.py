@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import time
+import threading
 from typing import Iterator
 
 import torch
@@ -352,6 +353,11 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
         os.makedirs(f"{root}/aborted/.async_ckpt/scratch-rank0", exist_ok=True)
     dist.barrier()
     out["save_over_an_aborted_save"] = _outcome(lambda: ckpt.save(tag="aborted").result(timeout=60))
+    # ZeRO-1: rank 0 alone writes the model states, with client_state; only its snapshot of them fails
+    out["unsnapshottable_client_state"] = _outcome(
+        lambda: ckpt.save(tag="lock", client_state={"lock": threading.Lock()}).result(timeout=120))
+    out["latest_after_unsnapshottable"] = open(f"{root}/latest").read()
+    out["save_after_unsnapshottable"] = _outcome(lambda: ckpt.save(tag="after").result(timeout=60))
     ckpt.close()
     out["save_after_close"] = _outcome(lambda: ckpt.save())
     out["wait_after_close"] = _outcome(lambda: ckpt.wait())

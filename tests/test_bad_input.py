@@ -158,6 +158,14 @@ def test_a_tag_whose_earlier_save_aborted_can_be_saved_again(outcomes):
     assert [r["save_over_an_aborted_save"] for r in outcomes] == [None, None]
 
 
+def test_a_snapshot_failing_on_one_rank_fails_the_save_on_every_rank_without_hanging_the_others(outcomes):
+    (kind0, message0), (kind1, message1) = [rank["unsnapshottable_client_state"] for rank in outcomes]
+    assert kind0 == "UsageError" and "lock" in message0
+    assert kind1 in ("SaveFailedError", "StorageError") and "rank 0" in message1
+    assert [rank["latest_after_unsnapshottable"] for rank in outcomes] == ["aborted"] * 2
+    assert [rank["save_after_unsnapshottable"] for rank in outcomes] == [None, None]
+
+
 @pytest.mark.parametrize("case", ["save_after_close", "wait_after_close"])
 def test_use_after_close_is_refused(outcomes, case):
     assert outcomes[0][case][0] == "CheckpointerClosedError"
