@@ -78,6 +78,10 @@ def consolidated_saves(stage: int, dtype: str, root: str, s3_url: str, s3_option
     out["resaved_16bit"] = engine.save_16bit_model(f"faulty://{root}/export16")  # DeepSpeed overwrites: so do we
     ckpt.wait()
     out["export_folder"] = sorted(os.listdir(f"{root}/export16"))
+    engine.save_16bit_model(os.path.join(root, "dotted", "sub", ".."))  # DeepSpeed writes into root/dotted
+    ckpt.wait()
+    out["dotted_folder"] = sorted(os.listdir(f"{root}/dotted")) if os.path.isdir(f"{root}/dotted") else None
+    out["bin_beside_the_tags"] = os.path.exists(f"{root}/pytorch_model.bin")
 
     _gate(gate, opened=False)
     handle = ckpt.save_consolidated(max_shard_bytes=SHARD_BYTES)

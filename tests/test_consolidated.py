@@ -157,6 +157,12 @@ def test_save_16bit_model_writes_into_a_folder_holding_the_users_files_and_keeps
     assert run["export_folder"] == ["async_ckpt_manifest.json", "pytorch_model.bin", "tokenizer_config.json"]
 
 
+def test_save_16bit_model_into_a_path_with_dot_dot_writes_where_deepspeed_does_and_commits_it_there(run):
+    assert run["dotted_folder"] == ["async_ckpt_manifest.json", "pytorch_model.bin"]
+    assert not run["bin_beside_the_tags"]
+    assert [f.path for f in _manifest(run["root"] / "dotted").files] == ["pytorch_model.bin"]
+
+
 def test_save_16bit_model_may_overwrite_its_earlier_export_as_deepspeed_does(run):
     assert run["resaved_16bit"] is True and run["failures"] == []
 
