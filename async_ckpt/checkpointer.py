@@ -1397,6 +1397,9 @@ class AsyncCheckpointer:
             if not pending and peer is not None:
                 self._raised_for_peers.add(peer[0])
         if self.config.on_error == "raise" and (pending or peer is not None):
+            if len(pending) > 1:  # one raised, for all: the others are named on it, not lost
+                pending[0].add_note(f"{len(pending) - 1} later save(s) failed too, of tag(s) "
+                                    f"{[error.tag for error in pending[1:]]}; every failure is in failures")
             raise pending[0] if pending else SaveFailedError(peer[1], tag=peer[0])
         for error in pending:
             logger.warning("an earlier background save failed (training continues, on_error='warn'): %s", error)

@@ -175,3 +175,21 @@ def test_a_model_states_file_that_fails_leaves_only_the_failing_ranks_start_mark
 
 def test_the_save_after_a_failed_model_states_file_commits(model_states_failed):
     assert [(rank["next_save"], rank["latest"]) for rank in model_states_failed] == [(None, "after")] * 2
+
+
+def test_several_failures_surfaced_at_once_raise_the_first_naming_the_others():
+    import threading
+    from types import SimpleNamespace
+
+    from async_ckpt.checkpointer import AsyncCheckpointer
+    from async_ckpt.errors import SaveFailedError
+
+    ckpt = AsyncCheckpointer.__new__(AsyncCheckpointer)  # the error bookkeeping alone: no engine, no ranks
+    ckpt.__dict__.update(config=SimpleNamespace(on_error="raise"), _errors_lock=threading.Lock(), _errors=[],
+                         _unreported=[], _raised_for_peers=set())
+    for tag in ("a", "b", "c"):
+        ckpt._record_failure(SaveFailedError(f"save of {tag} failed", tag=tag))
+    with pytest.raises(SaveFailedError, match="save of a failed") as raised:
+        ckpt._surface_errors()
+    assert raised.value.__notes__ == ["2 later save(s) failed too, of tag(s) ['b', 'c']; every failure is in failures"]
+    assert ckpt._unreported == [] and len(ckpt._errors) == 3
