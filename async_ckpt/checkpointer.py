@@ -717,7 +717,8 @@ class AsyncCheckpointer:
         try:
             self._writer.submit(job)
             self._track(handle)
-            self._bounded(handle.wait, tag, "the save to commit (synchronous)", self.config.effective_wait_timeout_s)
+            self._bounded(handle.wait, tag, "the save to commit (synchronous)", self.config.effective_wait_timeout_s,
+                          url=handle.url)
         except BaseException:
             if job.abandon_reads():
                 logger.error("rank %d: tag %s is written from the training state in place and training goes "
@@ -1124,7 +1125,7 @@ class AsyncCheckpointer:
             return 0.0
         started = time.perf_counter()
         self._bounded(job.buffers_free.wait, job.tag, "the previous save to finish writing (save() reuses its "
-                      "staging buffers)", self.config.effective_wait_timeout_s)
+                      "staging buffers)", self.config.effective_wait_timeout_s, url=job.storage.url)
         waited = time.perf_counter() - started
         logger.warning("save() waited %.2f s for the previous save (%s) to finish writing; saves are more "
                        "frequent than storage can absorb", waited, job.tag)
@@ -1151,7 +1152,7 @@ class AsyncCheckpointer:
             logger.info("rank %d: the save of %s waits for the earlier save of it to %s first", self.rank, tag,
                         "be durable" if self._local is not None else "commit")
             self._bounded(handle.wait, tag, "the earlier save of the same tag to commit",
-                          max(0.0, deadline - time.monotonic()))
+                          max(0.0, deadline - time.monotonic()), url=handle.url)
 
     def _settle_saves_before_load(self, *, local_only: bool) -> None:
         """Before a load: every save so far committed (with ``local_only`` on its first tier: drains go on) or
@@ -1170,16 +1171,17 @@ class AsyncCheckpointer:
         deadline = time.monotonic() + timeout_s
         for handle in list(self._handles):
             self._bounded(handle.wait_local if local_only else handle.wait, handle.tag, "the save to commit",
-                          max(0.0, deadline - time.monotonic()), limit=limit)
+                          max(0.0, deadline - time.monotonic()), limit=limit, url=handle.url)
         self._forget_ended_handles()
 
     def _bounded(self, done: Callable[[float], bool], tag: str, what: str, timeout_s: float, *,
-                 limit: str = "wait_timeout_s") -> None:
+                 limit: str = "wait_timeout_s", url: str | None = None) -> None:
         """Call ``done(slice)`` until it returns true; log every minute; :class:`WaitTimeoutError` after ``timeout_s``.
 
         A rank stuck here is usually waiting for a peer or for slow storage, so the log says which
         tag, for how long, and when the wait gives up. ``limit`` names the setting ``timeout_s`` came
-        from (``wait_timeout_s``, or a call's own ``timeout``), which the error says to raise.
+        from (``wait_timeout_s``, or a call's own ``timeout``), which the error says to raise; ``url`` the
+        root the save goes to (default: wrap()'s).
         """
         started = time.monotonic()
         deadline = started + timeout_s
@@ -1187,7 +1189,7 @@ class AsyncCheckpointer:
             waited = time.monotonic() - started
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"rank {self.rank}: waited {waited:.0f} s for {what} (tag {tag!r} to "
-                                       f"{self.storage.url}) and gave up. The write or its commit is stuck: check "
+                                       f"{url or self.storage.url}) and gave up. The write or its commit is stuck: check "
                                        f"the other ranks and the storage; raise {limit} if it is only slow")
             logger.warning("rank %d: still waiting for %s (tag %s) after %.0f s; giving up after %.0f s",
                            self.rank, what, tag, waited, timeout_s)

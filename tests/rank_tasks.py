@@ -245,7 +245,7 @@ def save_into_a_folder_one_rank_may_not_write(root: str) -> dict:
 
 
 def save_while_one_ranks_previous_write_is_stuck(root: str, gate: str) -> dict:
-    """Rank 1's write of 'first' is held past wait_timeout_s; 'second', and then an export with
+    """Rank 1's write of 'first' (into another folder) is held past wait_timeout_s; 'second', and then an export with
     save_16bit_model, cannot reuse its staging buffers there. Each time the timeout is raised on every rank,
     rank 0's naming rank 1, rather than rank 0 waiting alone in a collective. The gate then opens and 'first'
     commits."""
@@ -257,14 +257,15 @@ def save_while_one_ranks_previous_write_is_stuck(root: str, gate: str) -> dict:
     workload.train(engine, 1, tokens, _rank())
     ckpt = async_ckpt.wrap(engine, f"faulty://{root}", storage_options={"gate": gate, "gate_ranks": [1]},
                            wait_timeout_s=3)
-    first = ckpt.save(tag="first")
+    engine.save_checkpoint(f"faulty://{root}-own", tag="first")  # into a folder of its own, as HF Trainer saves
     workload.train(engine, 1, tokens, _rank())
     out = {"second": _outcome(lambda: ckpt.save(tag="second")),
            "export": _outcome(lambda: engine.save_16bit_model(os.path.join(root, "export")))}
     dist.barrier()  # every rank has raised before the gate opens
     if _rank() == 0:
         open(gate, "w").close()
-    first.result(timeout=120)
+    ckpt.wait(timeout=120)
+    out["first_committed"] = os.path.exists(f"{root}-own/first/{MANIFEST}")
     ckpt.close()
     return out
 

@@ -132,7 +132,9 @@ def one_rank_stuck(ranks, tmp_path_factory):
 def test_a_rank_that_cannot_wait_for_its_previous_save_stops_the_next_save_on_every_rank(one_rank_stuck):
     first, second = one_rank_stuck
     assert second["second"][0] == "WaitTimeoutError" and "rank 1: waited" in second["second"][1]
+    assert "(tag 'first' to faulty://" in second["second"][1] and "-own)" in second["second"][1]  # where it goes
     assert first["second"][0] == "WaitTimeoutError"
+    assert first["first_committed"] and second["first_committed"]
     assert "rank 1 could not wait for its earlier saves, so no rank saves tag 'second'" in first["second"][1]
 
 
