@@ -169,7 +169,10 @@ class AsyncCheckpointer:
         self._node_ranks: tuple[int, ...] = ()  # with a local tier: the ranks sharing this rank's folder
         self._nodes: list[Node] = []  # with a local tier: every node's ranks
         self._drain_failed = False
-        self._drains_failed: set[tuple[str, str]] = set()  # (tag, save id) whose drain failure was recorded
+        # (tag, save id) whose drain failure is only logged: recorded once already, or a drain resumed from the
+        # node folders (a tag of an earlier job: were it raised, a tag whose files went with a node would
+        # raise in every job after, before any of them could save a tag that supersedes it)
+        self._drains_failed: set[tuple[str, str]] = set()
         self._lower_rank_writes_model_states: dict[str, bool] = {}  # by storage URL; see _model_states_writer
         self._previous_engine = engine.checkpoint_engine
         self._own_take_model_step = engine._take_model_step  # bound: the class's, or an override already there
@@ -923,9 +926,10 @@ class AsyncCheckpointer:
                                       started=job.started, error=error, overwrites=job.overwrites))
 
     def _record_drain_failure(self, error: SaveFailedError, job: DrainJob) -> None:
-        """A drain failed: retried at the next save. Its first failure is reported (raised there with
-        ``on_error="raise"``); a retry's is only logged, so that a tag that can never be drained (its files
-        lost with a node) does not make every later save raise: a later tag that drains supersedes it."""
+        """A drain failed: retried at the next save. The first failure of a save's drain is reported (raised
+        there with ``on_error="raise"``); a retry's, or a resumed drain's, is only logged, so that a tag that
+        can never be drained (its files lost with a node) does not make every later save, or every later job,
+        raise: a later tag that drains supersedes it."""
         self._drain_failed = True
         with self._errors_lock:
             first = (job.tag, job.manifest.save_id) not in self._drains_failed
@@ -975,6 +979,8 @@ class AsyncCheckpointer:
                 logger.info("rank %d: not draining the earlier save of %s again: this save overwrites it",
                             self.rank, skip)
                 continue
+            with self._errors_lock:  # a tag of an earlier job, or an earlier attempt: its failure is logged
+                self._drains_failed.add((manifest.tag, manifest.save_id))
             handle = SaveHandle(tag=manifest.tag, url=self.storage.url)
             handle._commit_local(SaveResult(tag=manifest.tag, url=self._local.url, bytes_written=manifest.total_bytes,
                                             stall_s=0.0, persist_s=0.0, commit_s=0.0))

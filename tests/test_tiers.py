@@ -345,6 +345,15 @@ def test_a_drain_that_keeps_failing_is_raised_once_not_at_every_later_save(ranks
         assert rank["wait_after_the_retry"] is None and rank["third_local"] == "third"
 
 
+def test_a_tag_an_earlier_job_could_not_drain_whose_node_copy_is_lost_does_not_raise_in_the_next_job(ranks, tmp_path):
+    out = ranks.run(tier_tasks.restart_past_a_tag_whose_node_copy_is_lost, str(tmp_path / "durable"), str(tmp_path),
+                    timeout_s=300)
+    assert any("first" in line for line in out[0]["redrained"])
+    assert [rank["wait"] for rank in out] == [None, None] and [rank["second"] for rank in out] == [None, None]
+    assert [set(rank["failures"]) for rank in out] == [{"first"}] * 2  # logged, on its handles: not lost from sight
+    assert [rank["latest"] for rank in out] == ["second"] * 2
+
+
 def test_a_save_committed_locally_but_not_yet_handed_to_its_drain_is_not_listed_to_drain_again(ranks, tmp_path):
     """Listed, it would be drained twice: the second upload into a committed tag, and on ranks whose queues
     took the two in another order, a commit waiting for the other drain until its timeout."""

@@ -207,6 +207,31 @@ def saves_past_a_drain_that_keeps_failing(durable: str, work: str) -> dict:
     return out
 
 
+def restart_past_a_tag_whose_node_copy_is_lost(durable: str, work: str) -> dict:
+    """'first' is committed in both node folders and never at the URL (rank 1's writes to it fail); then node
+    1's copy is lost (a node replaced). The next job (a new wrap, on_error="raise", the URL writable) drains
+    'first' again from wrap(), which fails on rank 1 for good: logged, not raised, so that the job saves on."""
+    import shutil
+
+    ckpt = _wrap_where_rank_1_cannot_drain(durable, work, on_error="warn")
+    ckpt.save(tag="first").exception(timeout=120)
+    with contextlib.suppress(Exception):
+        ckpt.close()
+    if _rank() == 1:
+        shutil.rmtree(os.path.join(node_folder(work, 1), "first"))
+    dist.barrier()
+    engine = workload.make_engine(STAGE, "fp32", seed=12)
+    with async_ckpt_log() as log:
+        ckpt = async_ckpt.wrap(engine, durable, local_tier=node_folder(work, _rank()), on_error="raise")
+        out = {"redrained": [line for line in log if "resuming the drain" in line]}
+        out["wait"] = _outcome(ckpt.wait)
+        out["second"] = _outcome(lambda: ckpt.save(tag="second").result(timeout=120))
+        out["failures"] = [error.tag for error in ckpt.failures]
+        ckpt.close()
+    out["latest"] = open(os.path.join(durable, "latest")).read()
+    return out
+
+
 def listing_while_a_save_is_handed_to_its_drain(durable: str, work: str) -> dict:
     """Rank 1's drains keep failing, so each save lists what to drain again. 'second' is committed in the
     node folders while its writer's hand-over to the drainer is held; 'third' is saved meanwhile, after
