@@ -218,23 +218,35 @@ def local_view(storage: Storage, manifest: Manifest, scratch: str, *, show_progr
     From a remote storage the files are pulled into ``scratch``. A local root's tag folder may hold more
     than its manifest lists (a ``.partial`` file a killed save left, shards of an earlier, larger save of a
     tag written again with ``overwrite_tags``), which the tools would read as part of the checkpoint: the
-    view is then hard links to the listed files (symbolic links across filesystems), no copy."""
+    view is then hard links to the listed files (symbolic links across filesystems), no copy. Each file is
+    checked against its manifest entry first, as a pull checks what it fetches: the tools would convert a
+    damaged file without a word, and their output be committed with checksums of its own."""
     root = storage.local_dir()
     view = os.path.join(scratch, "in")
     if root is None:
         pull(storage, manifest, view, show_progress=show_progress)
         return view
-    for entry in manifest.files:
-        source = os.path.join(root, manifest.tag, *entry.path.split("/"))
-        target = os.path.join(view, manifest.tag, *entry.path.split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        try:
-            os.link(source, target)
-        except FileNotFoundError as exc:
-            raise MissingFileError(f"{entry.path} of tag {manifest.tag!r} is missing from {root}: run `async-ckpt "
-                                   f"verify {root} --tag {manifest.tag}`") from exc
-        except OSError:  # another filesystem, or one without hard links
-            os.symlink(source, target)
+    bar = _ProgressBar(manifest.total_bytes, f"verify {manifest.tag}", show_progress)
+    try:
+        for entry in manifest.files:
+            source = os.path.join(root, manifest.tag, *entry.path.split("/"))
+            check = check_local_file(source, entry)
+            bar(entry.size)
+            if check.problem == "missing":
+                raise MissingFileError(f"{entry.path} of tag {manifest.tag!r} is missing from {root}: run "
+                                       f"`async-ckpt verify {root} --tag {manifest.tag}`")
+            if not check.ok:
+                raise VerificationError(f"{entry.path} of tag {manifest.tag!r} in {root} does not match its manifest "
+                                        f"({check.problem}): run `async-ckpt verify {root} --tag {manifest.tag}`, "
+                                        "and convert another tag")
+            target = os.path.join(view, manifest.tag, *entry.path.split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:  # another filesystem, or one without hard links
+                os.symlink(source, target)
+    finally:
+        bar.close()
     return view
 
 

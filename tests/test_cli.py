@@ -554,3 +554,17 @@ def test_bench_asks_for_the_s3_packages_only_where_the_run_targets_s3(argv, s3_m
     needed = _bench_modules(build_parser().parse_args(["bench", *argv]))
     assert tuple(m for m in needed if m in ("boto3", "moto")) == s3_modules
     assert {"transformers", "tokenizers", "psutil", "matplotlib"} <= set(needed)
+
+
+@pytest.mark.parametrize("argv", [("export", "--out"), ("to-universal", "--out")])
+def test_a_conversion_from_a_local_root_refuses_a_damaged_file_before_deepspeeds_tools_read_it(
+        argv, local_root, capsys, tmp_path):
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(local_root, root)
+    shard = sorted((root / "second").glob("*optim_states.pt"))[0]
+    rank_tasks._flip_byte(str(shard), offset=shard.stat().st_size - 1000)  # in the tensor data, past the pickle
+    code, _, err = run_cli(capsys, argv[0], str(root), "--tag", "second", argv[1], str(tmp_path / "out"))
+    assert code == 2 and f"{shard.name} of tag 'second'" in err and "does not match its manifest" in err
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").rglob("*")) == []
