@@ -548,7 +548,8 @@ class AsyncCheckpointer:
             self._await_staging()
             self._await_handles(left())
             self._bounded(self._writer.join, self._last_job.tag if self._last_job else "-",
-                          "the background writer thread to stop", max(left(), settled_floor))
+                          "the background writer thread to stop", max(left(), settled_floor),
+                          url=self._last_job.storage.url if self._last_job else None)
             if self._drainer is not None:  # every drain has ended: every rank holds the same failures
                 self._drainer.resume_retention()  # a load paused it: the redone drains' retention runs
                 self._handles.extend(self._drainer.retry_failed())
@@ -1075,8 +1076,9 @@ class AsyncCheckpointer:
         session = self._session
         if session.failure is not None:  # an earlier file's snapshot failed: the save fails once DeepSpeed's ends
             return
-        # the path as the save's root was taken from it (save_16bit_model: normalized, "~" expanded)
-        relpath = os.path.relpath(os.path.expanduser(path), session.base or self._shadow).replace(os.sep, "/")
+        # save_16bit_model: the path spelled as its root was (file:// taken off, "~" expanded, made absolute)
+        relpath = os.path.relpath(_normalize(path) if session.base else path,
+                                  session.base or self._shadow).replace(os.sep, "/")
         name = relpath.rsplit("/", 1)[-1]
         slot_key = relpath.split("/", 1)[-1]  # the path in the tag: the same from save to save, one per file
         defer = self.config.overlap_copy and name.endswith("_optim_states.pt")

@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         import deepspeed  # noqa: F401
     try:
         return args.func(args)
-    except RankError as exc:  # the demo's or bench's input was checked before its ranks started
+    except RankError as exc:  # a run that failed: the demo's and bench's input is checked before their ranks start
         print(f"async-ckpt {args.command}: failed on a rank: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except (AsyncCkptError, json.JSONDecodeError, FileNotFoundError) as exc:  # JSON: a corrupt file read

@@ -82,6 +82,9 @@ def consolidated_saves(stage: int, dtype: str, root: str, s3_url: str, s3_option
     ckpt.wait()
     out["dotted_folder"] = sorted(os.listdir(f"{root}/dotted")) if os.path.isdir(f"{root}/dotted") else None
     out["bin_beside_the_tags"] = os.path.exists(f"{root}/pytorch_model.bin")
+    engine.save_16bit_model(f"file://{root}/file_url")
+    ckpt.wait()
+    out["file_url_folder"] = sorted(os.listdir(f"{root}/file_url")) if os.path.isdir(f"{root}/file_url") else None
 
     _gate(gate, opened=False)
     handle = ckpt.save_consolidated(max_shard_bytes=SHARD_BYTES)

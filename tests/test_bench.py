@@ -683,6 +683,15 @@ def test_each_run_against_a_users_url_saves_under_a_new_folder_and_removes_it_at
     assert left == [second["url"].split("/", 3)[3] + "/stock/latest"]
 
 
+def test_bench_refuses_a_url_it_cannot_write_into_before_its_ranks_start(s3, tmp_path, monkeypatch):
+    import async_ckpt.launch
+
+    monkeypatch.setattr(async_ckpt.launch, "RankGroup", None)  # a run that started would fail on it
+    with pytest.raises(UsageError, match="--url s3://no-such-bucket/runs: cannot write there.*--endpoint"):
+        run(BenchConfig.quick(url="s3://no-such-bucket/runs", endpoint=s3.endpoint, target="s3",
+                              out=str(tmp_path / "out")))
+
+
 @pytest.mark.parametrize("overrides, error", [({"target": "s3", "endpoint": "http://127.0.0.1:9"}, "--endpoint"),
                                               ({"endpoint": "http://127.0.0.1:9"}, "--endpoint"),
                                               ({"out": "{tmp}/file"}, "is a file"),

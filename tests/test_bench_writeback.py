@@ -181,3 +181,20 @@ def test_a_wait_inside_the_step_after_a_save_counts_once_in_the_training_time_lo
     assert decoupled["stall_s"] == pytest.approx(0.6)
     assert decoupled["training_time_lost_per_save_s"] == pytest.approx(0.6)
     assert decoupled["lost_incl_writeback_per_save_s"] == pytest.approx(0.6)
+
+
+def test_a_rare_long_wait_after_one_save_of_several_counts_once_in_the_training_time_lost():
+    """Four saves return in 0.1 s; the step after the first waits 1 s more (its commit, or its copy): each
+    save cost training 0.1 s, plus that one second spread over the four: 0.35 s, not the median's 0.1 s."""
+    steps, t, saves = [], 0.0, []
+    for i in range(4):
+        before, t = _steps("ds_decoupled", t, [1.0, 1.0, 1.0], [0] * 3)
+        wait = 1.0 if i == 0 else 0.0
+        saves.append({"start": t, "call_s": 0.1, "durable_s": 0.1 + wait + 0.05, "extra_stall_s": wait,
+                      "dirty_before": 0, "dirty_after": 0})
+        after, t = _steps("ds_decoupled", t + 0.1, [1.0 + wait], [0])
+        steps += before + after
+    decoupled = summarize(_report(steps, {"ds_decoupled": saves}))["methods"]["ds_decoupled"]
+    assert decoupled["stall_s"] == pytest.approx(0.1)
+    assert decoupled["training_time_lost_per_save_s"] == pytest.approx(0.35)
+    assert decoupled["lost_incl_writeback_per_save_s"] == pytest.approx(0.35)

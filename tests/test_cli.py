@@ -509,6 +509,12 @@ def test_demo_refuses_a_file_as_its_folder(capsys, tmp_path):
     assert code == 2 and "--dir" in err and "is a file" in err and "Traceback" not in err
 
 
+def test_demo_refuses_a_folder_it_cannot_make_before_its_ranks_start(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path / "file" / "ckpt"))
+    assert code == 2 and "--dir" in err and "cannot be made" in err and "Traceback" not in err
+
+
 def test_a_demo_that_cannot_write_its_folder_says_so_without_naming_an_endpoint(capsys, monkeypatch):
     import async_ckpt.demo
 

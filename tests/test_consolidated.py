@@ -163,6 +163,11 @@ def test_save_16bit_model_into_a_path_with_dot_dot_writes_where_deepspeed_does_a
     assert [f.path for f in _manifest(run["root"] / "dotted").files] == ["pytorch_model.bin"]
 
 
+def test_save_16bit_model_into_a_file_url_writes_into_that_folder(run):
+    assert run["file_url_folder"] == ["async_ckpt_manifest.json", "pytorch_model.bin"]
+    assert [f.path for f in _manifest(run["root"] / "file_url").files] == ["pytorch_model.bin"]
+
+
 def test_save_16bit_model_may_overwrite_its_earlier_export_as_deepspeed_does(run):
     assert run["resaved_16bit"] is True and run["failures"] == []
 

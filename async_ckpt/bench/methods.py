@@ -7,7 +7,7 @@ from the save call to durability.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 import shutil
 import time
@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 class Method:
@@ -59,8 +61,13 @@ class Method:
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(self.root, **self.target["storage_options"])
-        with contextlib.suppress(FileNotFoundError):
+        try:
             fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # the figures stand: say what is left (the run's folder is removed at its end)
+            logger.warning("could not delete %s's checkpoints under %s: %s: %s", self.name, self.root,
+                           type(exc).__name__, exc)
 
 
 def _dir_bytes(path: str) -> int:

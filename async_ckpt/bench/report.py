@@ -93,6 +93,13 @@ def durable_profile(ranks: list[dict], name: str, target: str) -> dict[str, floa
     return {key: _median([row[key] for row in rows if row[key] is not None]) for key in rows[0]} if rows else None
 
 
+def _stall_counted(entry: dict) -> float | None:
+    """A save's stall as the training time lost counts it (None: no save was timed)."""
+    if entry.get("stall_in_call_s") is None:
+        return None
+    return entry["stall_in_call_s"] + (entry["stall_in_next_step_per_save_s"] or 0.0)
+
+
 def summarize(report: dict) -> dict:
     ranks = report["ranks"]
     floor_bytes = sum(r["floor"]["bytes"] for r in ranks)
@@ -111,11 +118,13 @@ def summarize(report: dict) -> dict:
         if "skipped" in first:
             methods[name] = {"skipped": first["skipped"]}
             continue
-        per_save_stall, per_save_durable, windows[name] = [], [], []
+        per_save_stall, per_save_call, per_save_waited, per_save_durable, windows[name] = [], [], [], [], []
         waited_in_windows[name] = 0.0
         for i, save0 in enumerate(first["saves"]):
             saves = [r["methods"][name]["saves"][i] for r in ranks]
             per_save_stall.append(max(s["call_s"] + s["extra_stall_s"] for s in saves))
+            per_save_call.append(max(s["call_s"] for s in saves))
+            per_save_waited.append(max(s["extra_stall_s"] for s in saves))
             if any(s["durable_s"] is None for s in saves):
                 per_save_durable.append(None)
                 continue
@@ -126,7 +135,7 @@ def summarize(report: dict) -> dict:
                 windows[name].append((save0["start"] + save0["call_s"], save0["start"] + save0["call_s"] + tail))
                 # the stall a later step waits for (the next optimizer step's wait for the copy, DeepSpeed's
                 # decoupled commit) is in the stall and in that step's time, which falls in this window
-                waited_in_windows[name] += max(s["extra_stall_s"] for s in saves)
+                waited_in_windows[name] += per_save_waited[-1]
         total_bytes = sum(r["methods"][name]["bytes_per_save"] for r in ranks)
         stall = _median(per_save_stall)
         durable = _median(per_save_durable)
@@ -138,7 +147,11 @@ def summarize(report: dict) -> dict:
         fsynced = first.get("durable", True)
         peaks = [r["methods"][name].get("peak_above_start") or {} for r in ranks]
         entry = {
-            "stall_s": stall, "durable_s": durable, "bytes_per_save": total_bytes, "persist_gbps": gbps,
+            "stall_s": stall, "durable_s": durable,
+            # the stall, as the training time lost counts it: the call's median, and the waits a save causes
+            # in the next step averaged (as the steps' extra time is), so that a rare long wait counts once
+            "stall_in_call_s": _median(per_save_call),
+            "stall_in_next_step_per_save_s": sum(per_save_waited) / len(per_save_waited) if per_save_waited else None, "bytes_per_save": total_bytes, "persist_gbps": gbps,
             "fsynced": fsynced, "setup_s": max((r["methods"][name].get("setup_s") or 0.0) for r in ranks),
             "finish_wait_s": max(r["methods"][name].get("finish_wait_s", 0.0) for r in ranks),
             "peak_rss_above_start_bytes": _max_known(p.get("rss") for p in peaks),
@@ -201,8 +214,9 @@ def summarize(report: dict) -> dict:
         saves = len(ranks[0]["methods"][name]["saves"])
         waited = waited_in_windows[name]  # counted once, in the stall
         extra = max(0.0, sum(t - base for t in inside) - waited) / saves if base else 0.0
-        if methods[name].get("stall_s") is not None:
-            methods[name]["training_time_lost_per_save_s"] = methods[name]["stall_s"] + extra
+        stall_counted = _stall_counted(methods[name])
+        if stall_counted is not None:
+            methods[name]["training_time_lost_per_save_s"] = stall_counted + extra
         # the same, counting also the steps until the kernel wrote the saves' page-cache bytes back; the
         # signed extra is kept unclipped too, since over many steps it is mostly the run's step-time noise
         spans = writeback_spans[name]
@@ -229,8 +243,8 @@ def summarize(report: dict) -> dict:
             if own:
                 methods[name]["writeback_extra_signed_vs_own_steps_per_save_s"] = (
                     (sum(t - own for t in with_writeback) - waited) / saves)
-            if methods[name].get("stall_s") is not None:
-                methods[name]["lost_incl_writeback_per_save_s"] = methods[name]["stall_s"] + max(0.0, signed)
+            if stall_counted is not None:
+                methods[name]["lost_incl_writeback_per_save_s"] = stall_counted + max(0.0, signed)
     stock_with_writeback = methods.get("stock", {}).get("lost_incl_writeback_per_save_s")
     stock_peak = methods.get("stock", {}).get("peak_rss_above_start_bytes")
     for name in windows:

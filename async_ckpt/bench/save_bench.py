@@ -282,6 +282,7 @@ def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
     url = cfg.url
     if url is not None:
         url = f"{url.rstrip('/')}/bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        _check_writable(url, {"endpoint_url": endpoint} if endpoint else {}, cfg.url)
     else:
         from moto.server import ThreadedMotoServer
 
@@ -305,6 +306,21 @@ def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
         url = "s3://bench/run"
     options = {"endpoint_url": endpoint} if endpoint else {}
     return {"kind": "s3", "local_dir": workdir, "url": url, "storage_options": options}, server
+
+
+def _check_writable(url: str, options: dict, given: str) -> None:
+    """Refuse (UsageError) a ``--url`` this run cannot write an object into, before its ranks start: a wrong
+    bucket, endpoint or credentials would otherwise fail each rank's first save."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    probe = f"{path}/.probe"
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except Exception as exc:
+        raise UsageError(f"--url {given}: cannot write there ({type(exc).__name__}: {exc}); check --url, "
+                         "--endpoint and the credentials") from exc
 
 
 def stop_target(target: dict | None, server: Any) -> None:

@@ -59,8 +59,10 @@ def _not_found(exc: BaseException) -> bool:
     return _error_code(exc) in ("NoSuchKey", "404")
 
 
-#: Errors completing a multipart upload that are not about its parts (their sizes).
-_NOT_THE_PARTS = ("NoSuchUpload", "NoSuchBucket", "AccessDenied", "403", "404", "SlowDown", "InternalError")
+#: The errors a store gives where it refuses a multipart upload's parts at completion (R2 and Garage, for
+#: parts of unequal sizes): the ones the equal_parts hint is for.
+_REFUSED_PARTS = ("InvalidPart", "InvalidPartOrder", "EntityTooSmall", "InvalidRequest", "InvalidArgument",
+                  "BadRequest", "400")
 
 
 def _replaced(exc: BaseException) -> bool:
@@ -291,8 +293,9 @@ class S3Storage(FsspecStorage):
         theirs, ours = dict(config_kwargs), dict(config_kwargs)
         theirs.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
         ours.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
-        # botocore's pool holds 10 connections: a part beyond them would wait for one inside its deadline
-        ours.setdefault("max_pool_connections", max(10, max_concurrency or 8))
+        # botocore's pool holds 10 connections: a part beyond them would wait for one inside its deadline (two
+        # uploads share a lane: a save's, and a drain's or another save's)
+        ours.setdefault("max_pool_connections", max(10, 2 * (max_concurrency or 8)))
         fs = s3fs.S3FileSystem(config_kwargs=theirs, **options)
         try:  # the client is made here: options s3fs does not know and unusable credentials fail now, typed
             fs.connect()
@@ -777,7 +780,7 @@ class MultipartUpload:
             self._wait(storage._run(finish()))
         except StorageError as exc:
             # the hint only where the store refused the parts themselves: not a timeout, a lost upload, a denial
-            if self._part_size == storage.part_size or _error_code(exc.__cause__) in (None, *_NOT_THE_PARTS):
+            if self._part_size == storage.part_size or _error_code(exc.__cause__) not in _REFUSED_PARTS:
                 raise
             raise StorageError(f"{exc}. Its parts grew from {storage.part_size} to {self._part_size} bytes after "
                                f"every {PARTS_PER_SIZE} parts; if the store needs every part but the last of one "
