@@ -806,7 +806,9 @@ class AsyncCheckpointer:
         if committed and not overwrites:
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "
-                                 "overwrite_tags=True to wrap() for DeepSpeed's overwrite semantics")
+                                 "overwrite_tags=True to wrap() for DeepSpeed's overwrite semantics (after a load() "
+                                 "of an older tag, a rollback or a fallback, the default global_stepN tags reach "
+                                 "the abandoned steps' tags: overwrite_tags=True replaces them as DeepSpeed does)")
         if committed:  # a collective: where rank 0 cannot uncommit the tag, every rank raises, none saves
             def uncommit() -> None:
                 if self.rank != 0:

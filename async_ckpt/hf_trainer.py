@@ -208,13 +208,18 @@ class AsyncCheckpointCallback(TrainerCallback):
         rotation, of ``resume_from_checkpoint=True`` and of hub uploads."""
         failures = checkpointer.failures[self._failures_seen:]
         self._failures_seen += len(failures)
-        if not self._trainer.args.should_save:
-            return
+        state = self._trainer.state
         for failure in failures:
             folder = None if failure.url is None else os.path.abspath(failure.url)  # the root the save went to
             # by folder and tag: a save of another tag into the folder (save_16bit_model) is not Trainer's checkpoint
-            if (folder, failure.tag) not in self._saved or not _CHECKPOINT_RE.match(os.path.basename(folder)) \
-                    or not os.path.isdir(folder):
+            if (folder, failure.tag) not in self._saved or not _CHECKPOINT_RE.match(os.path.basename(folder)):
+                continue
+            if state.best_model_checkpoint is not None and os.path.abspath(state.best_model_checkpoint) == folder:
+                # on every process: load_best_model_at_end would load a folder that holds no checkpoint
+                state.best_model_checkpoint = None
+                logger.warning("the save into %s, Trainer's best checkpoint so far, failed: it is no longer the best "
+                               "checkpoint (load_best_model_at_end loads none unless a later one is best)", folder)
+            if not self._trainer.args.should_save or not os.path.isdir(folder):
                 continue
             aside = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}")
             n = 1

@@ -173,16 +173,19 @@ class _SavedAgainInto(TrainerCallback):
         self._trainer.model_wrapped.save_checkpoint(self._folder)
 
 
-def train_with_failing_saves(output_dir: str, stage: int, *, also_into: str | None = None) -> dict:
+def train_with_failing_saves(output_dir: str, stage: int, *, also_into: str | None = None,
+                             best_model: bool = False) -> dict:
     """Saves at steps 2, 4 and 6 with save_total_limit=2 and on_error="warn"; only the first commits.
-    With ``also_into``, each save is followed by one of the same tag into that folder."""
-    trainer = _trainer(output_dir, stage, seed=0)
+    With ``also_into``, each save is followed by one of the same tag into that folder; with ``best_model``,
+    each is evaluated and the best loaded at the end."""
+    trainer = _trainer(output_dir, stage, seed=0, best_model=best_model)
     if also_into is not None:
         trainer.add_callback(_SavedAgainInto(trainer, also_into))
     hf_trainer.enable(trainer, on_error="warn")
     with _commits_failing_after(1):
         trainer.train()
-    return {"folders": sorted(os.listdir(output_dir)), "newest_committed": hf_trainer.last_committed_checkpoint(output_dir)}
+    return {"folders": sorted(os.listdir(output_dir)), "newest_committed": hf_trainer.last_committed_checkpoint(output_dir),
+            "best": trainer.state.best_model_checkpoint}
 
 
 class _SavesFromOnLog(TrainerCallback):

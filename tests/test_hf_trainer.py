@@ -132,6 +132,12 @@ def test_a_failed_save_is_set_aside_even_when_its_tag_was_saved_into_another_fol
                                                                  "checkpoint-2"]
 
 
+def test_a_failed_save_of_the_best_checkpoint_is_no_longer_the_best_one_trainer_loads_at_the_end(ranks, tmp_path):
+    out = ranks.run(hf_tasks.train_with_failing_saves, str(tmp_path / "run"), 2, best_model=True)[0]
+    assert out["best"] in (None, str(tmp_path / "run" / "checkpoint-2"))  # never a folder set aside
+    assert "checkpoint-2" in out["folders"]
+
+
 def test_a_new_run_refuses_to_start_below_committed_checkpoints(runs, ranks):
     errors = ranks.run(hf_tasks.start_over, runs["out"], runs["stage"])
     assert all(e is not None and f"checkpoint-{hf_tasks.MAX_STEPS}" in e for e in errors)
