@@ -140,10 +140,17 @@ class AsyncCheckpointCallback(TrainerCallback):
         later = [folder for step, folder in _checkpoint_folders(args.output_dir)
                  if step > state.global_step and _saved_tag(folder)]
         if later:  # fail now rather than at that step, hours into the run
-            raise UsageError(f"{args.output_dir} already holds checkpoints of later steps than this run starts from "
-                             f"({', '.join(os.path.basename(f) for f in later)}), and async_ckpt never overwrites a "
-                             "committed checkpoint nor writes into one stock DeepSpeed saved: resume from the newest "
-                             "one, or move them away")
+            resumable = [os.path.basename(f) for f in later if _resumable(f)]
+            cut_short = [os.path.basename(f) for f in later if not _resumable(f)]
+            raise UsageError(
+                f"{args.output_dir} already holds checkpoints of later steps than this run starts from, and "
+                "async_ckpt never overwrites a committed checkpoint nor writes into one stock DeepSpeed saved: "
+                + (f"resume from {resumable[-1]} (last_committed_checkpoint), or move {', '.join(resumable)} away"
+                   if resumable else "")
+                + ("; " if resumable and cut_short else "")
+                + (f"move {', '.join(cut_short)} away: no latest naming a tag async_ckpt committed, or no "
+                   "trainer_state.json (a crash cut the save short, or another tool saved it), so "
+                   "last_committed_checkpoint does not resume from there" if cut_short else ""))
         self.close()  # a previous train() that raised left its checkpointer open
         self.checkpointer = wrap(engine, args.output_dir, **self._options)
         self._async_save = engine.save_checkpoint
@@ -279,9 +286,14 @@ def last_committed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
     if not isinstance(output_dir, (str, os.PathLike)):
         raise UsageError(f"output_dir must be a folder path, got {output_dir!r}")
     for _, folder in reversed(_checkpoint_folders(output_dir)):
-        if _committed_tag(folder) and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+        if _resumable(folder):
             return folder
     return None
+
+
+def _resumable(folder: str) -> bool:
+    """Whether Trainer can resume from ``folder``: its state written, and ``latest`` naming a committed tag."""
+    return bool(_committed_tag(folder)) and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME))
 
 
 def _checkpoint_folders(output_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:

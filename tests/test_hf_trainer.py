@@ -140,7 +140,8 @@ def test_a_failed_save_of_the_best_checkpoint_is_no_longer_the_best_one_trainer_
 
 def test_a_new_run_refuses_to_start_below_committed_checkpoints(runs, ranks):
     errors = ranks.run(hf_tasks.start_over, runs["out"], runs["stage"])
-    assert all(e is not None and f"checkpoint-{hf_tasks.MAX_STEPS}" in e for e in errors)
+    assert all(e is not None and f"resume from checkpoint-{hf_tasks.MAX_STEPS} (last_committed_checkpoint)" in e
+               for e in errors)
 
 
 def test_a_new_run_refuses_to_start_below_a_checkpoint_stock_deepspeed_saved(runs, ranks, tmp_path):
@@ -149,7 +150,8 @@ def test_a_new_run_refuses_to_start_below_a_checkpoint_stock_deepspeed_saved(run
     (stock / "global_step99" / "mp_rank_00_model_states.pt").write_bytes(b"x")
     (stock / "latest").write_text("global_step99")
     errors = ranks.run(hf_tasks.start_over, str(tmp_path / "out"), runs["stage"])
-    assert all(e is not None and "checkpoint-99" in e and "stock DeepSpeed" in e for e in errors)
+    assert all(e is not None and "move checkpoint-99 away" in e and "stock DeepSpeed" in e for e in errors)
+    assert all("resume from checkpoint" not in e for e in errors)  # not from one last_committed_checkpoint passes over
 
 
 def test_last_committed_checkpoint_skips_folders_a_crash_left_incomplete(tmp_path):
