@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from async_ckpt.config import CheckpointConfig
 from async_ckpt.errors import (AsyncCkptError, CheckpointerClosedError, CheckpointNotFoundError, ConfigError,
-                               ConversionError, CorruptManifestError, InvalidTagError, NotCommittedError,
-                               SaveFailedError, StorageError, TagExistsError, TagMismatchError,
+                               ConversionError, CorruptManifestError, InvalidTagError, MissingFileError,
+                               NotCommittedError, SaveFailedError, StorageError, TagExistsError, TagMismatchError,
                                UnsupportedManifestError, UsageError, VerificationError, WaitTimeoutError,
                                ZipLayoutError)
 from async_ckpt.handle import SaveHandle, SaveResult
@@ -34,7 +34,7 @@ __all__ = [
     "AsyncCkptError", "ConfigError", "InvalidTagError", "TagExistsError", "StorageError", "SaveFailedError",
     "CheckpointNotFoundError", "NotCommittedError", "VerificationError", "CheckpointerClosedError", "UsageError",
     "ConversionError", "CorruptManifestError", "UnsupportedManifestError", "WaitTimeoutError", "TagMismatchError",
-    "ZipLayoutError",
+    "ZipLayoutError", "MissingFileError",
 ]
 
 

@@ -57,11 +57,12 @@ def render() -> str:
 
     lines = [HEADER, "## Wrapping an engine", ""]
     lines += _function("async_ckpt.wrap", async_ckpt.wrap)
-    lines += _class(async_ckpt.AsyncCheckpointer, ["save", "save_consolidated", "wait", "load", "close"])
+    lines += _class(async_ckpt.AsyncCheckpointer, ["save", "save_consolidated", "wait", "load", "close", "failures",
+                                                   "staging_bytes", "staging_reserved"])
     lines += _function("async_ckpt.wait_all", async_ckpt.wait_all)
     lines += _class(async_ckpt.SaveHandle, ["done", "wait", "result", "exception", "local_done", "wait_local",
                                             "local_result"])
-    lines += _class(async_ckpt.SaveResult, ["persist_gbps"])
+    lines += _class(async_ckpt.SaveResult, ["persist_gbps"], signature=True)
     lines += ["## Configuration", ""]
     lines += _class(async_ckpt.CheckpointConfig, ["effective_wait_timeout_s"], signature=True)
     lines += ["## Tools (the library behind the `async-ckpt` commands)", ""]

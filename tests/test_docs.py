@@ -44,3 +44,11 @@ def test_ci_runs_each_extra_leg_exactly_as_its_readme_section_says(leg, runs):
     assert found.endswith(runs) and "torch==2.13.0" in found
     with open(os.path.join(ROOT, ".ci", "run")) as fh:
         assert f"python3 .ci/readme_command.py {leg}" in fh.read()
+
+
+def test_every_error_the_library_raises_is_exported_from_the_package():
+    import async_ckpt
+    from async_ckpt import errors
+
+    for name in (n for n in dir(errors) if n.endswith("Error")):
+        assert getattr(async_ckpt, name) is getattr(errors, name) and name in async_ckpt.__all__, name
