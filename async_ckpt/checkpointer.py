@@ -47,8 +47,9 @@ from async_ckpt.resume import (check_for_rank, check_no_other_save, fetch_for_ra
 from async_ckpt.serialization import in_place, record_offsets
 from async_ckpt.staging import CopyTicket, StagedFile, StagingPool
 from async_ckpt.storage import RetryPolicy, Storage, open_storage
-from async_ckpt.tiers import (Node, TierRoom, choose_tag, committed_view, estimate_save_bytes, folder_identity,
-                              holds_chosen_save, log_tier, node_has_room, nodes_from, tier_room, undrained)
+from async_ckpt.tiers import (Node, TierRoom, choose_tag, committed_view, estimate_save_bytes,
+                              holds_chosen_save, log_tier, node_has_room, nodes_from, ranks_sharing, tier_room,
+                              undrained)
 from async_ckpt.writer import BackgroundWriter, lower_thread_priority
 
 logger = logging.getLogger("async_ckpt")
@@ -861,13 +862,13 @@ class AsyncCheckpointer:
     def _open_local_tier(self, path: str) -> None:
         """Open the durable storage and this rank's node folder, learn which ranks share it, start the
         drainer thread."""
-        def open_folders() -> tuple[str, int, int]:
+        def open_folders() -> None:
             self._open_durable()
             self._local = self._open(path)
             commit.add_marks_lock(self._local)
-            return folder_identity(path)
 
-        nodes = nodes_from(self._gather_checked(f"to open {self.config.url} or the local tier {path}", open_folders))
+        self._gather_checked(f"to open {self.config.url} or the local tier {path}", open_folders)
+        nodes = nodes_from(ranks_sharing(path, self.rank, self._gather))
         node = next(n for n in nodes if self.rank in n.ranks)
         self._nodes, self._node_ranks = nodes, node.ranks
         target = DrainTarget(local=self._local, durable=self.storage, keep_last=self.config.keep_last,
@@ -894,7 +895,8 @@ class AsyncCheckpointer:
             return False
         if storage.url not in self._lower_rank_writes_model_states:
             folder = storage.local_dir()
-            where = folder_identity(folder) if folder is not None else ("url", storage.url)
+            where = ranks_sharing(folder, self.rank, self._gather)[self.rank] if folder is not None \
+                else ("url", storage.url)
             mine = (where, engine._get_ckpt_name("", "tag")) if engine.save_non_zero_checkpoint else None
             gathered = self._gather(mine)  # on every rank, those that write no model states too: a collective
             self._lower_rank_writes_model_states[storage.url] = mine is not None and mine in gathered[:self.rank]

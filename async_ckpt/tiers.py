@@ -7,7 +7,7 @@ own manifest, ``latest`` and retention.
 
 No shared filesystem is needed. ``PATH`` may be a different folder on every node (or, on one
 machine, per simulated node): the ranks that see the same folder form a *node*, found once at
-``wrap()`` by comparing what each rank sees (host name and the folder's device and inode). The
+``wrap()`` by the files each rank leaves there and finds there (:func:`ranks_sharing`). The
 commit agreement goes through the job's c10d store as always (:mod:`async_ckpt.handshake`); rank 0
 publishes the manifest with its outcome and the first rank of every other node writes it into that
 node's folder. So that a node's folder holds every file its ranks read on a restart, the first rank of
@@ -29,10 +29,11 @@ ending meanwhile deletes no tag a rank may still read; later drains make the del
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-import socket
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, ContextManager
 
@@ -60,18 +61,38 @@ class Node:
         return self.ranks[0]
 
 
-def folder_identity(path: str) -> tuple[str, int, int]:
-    """What tells two ranks' folders apart: the host, and the folder's device and inode there."""
+def ranks_sharing(path: str, rank: int, gather: Callable[[Any], list[Any]]) -> list[tuple[int, ...]]:
+    """Every rank's view of the ranks that see its folder ``path`` as the same folder (two collectives,
+    ``gather`` gathering one value per rank). Each rank leaves a file of its own there; the ranks whose
+    files a rank finds share its folder. Neither the host name nor the folder's device and inode say so:
+    an NFS folder is one folder on many hosts (with a device number of each client's), and one host's
+    containers may have host names of their own over one shared host path."""
     os.makedirs(path, exist_ok=True)
-    stat = os.stat(path)
-    return socket.gethostname(), stat.st_dev, stat.st_ino
+    name = f".async_ckpt-rank{rank}-{uuid.uuid4().hex}"
+    mark: str | None = os.path.join(path, name)
+    try:
+        with open(mark, "xb"):
+            pass
+    except OSError as exc:  # the folder's probe has passed: rare; this rank then sees only itself
+        logger.warning("rank %d: cannot leave a mark in %s to find the ranks sharing it (%s)", rank, path, exc)
+        mark = None
+    try:
+        names = gather(name if mark else None)
+        seen = tuple(r for r, other in enumerate(names)
+                     if r == rank or (other is not None and os.path.exists(os.path.join(path, other))))
+        return gather(seen)  # after every rank has looked: then the marks may go
+    finally:
+        if mark is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(mark)
 
 
-def nodes_from(identities: list[tuple[str, int, int]]) -> list[Node]:
-    """Group ranks by the folder they see (``identities[r]`` is rank r's); nodes ordered by first rank."""
-    groups: dict[tuple[str, int, int], list[int]] = {}
-    for rank, identity in enumerate(identities):
-        groups.setdefault(tuple(identity), []).append(rank)
+def nodes_from(views: list[tuple[int, ...]]) -> list[Node]:
+    """Group ranks by the folder they see (``views[r]``: the ranks rank r finds in its folder, from
+    :func:`ranks_sharing`); nodes ordered by first rank."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, view in enumerate(views):
+        groups.setdefault(tuple(view), []).append(rank)
     return [Node(i, tuple(ranks)) for i, ranks in enumerate(sorted(groups.values()))]
 
 

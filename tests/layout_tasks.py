@@ -535,15 +535,19 @@ def node_local_one_node_run(root: str) -> dict:
 
 def node_local_run(root: str) -> dict:
     """``use_node_local_storage`` on two simulated nodes of one rank each (``LOCAL_RANK`` 0 on both
-    ranks), sharing one folder: DeepSpeed has each node's first rank write the model-states file, so
-    both ranks would write ``mp_rank_00_model_states.pt`` (the reference saves take rank 0's alone)."""
-    local_rank = os.environ["LOCAL_RANK"]
+    ranks, and a host name of each one's own, as two hosts over NFS), sharing one folder: DeepSpeed has
+    each node's first rank write the model-states file, so both ranks would write
+    ``mp_rank_00_model_states.pt`` (the reference saves take rank 0's alone)."""
+    import socket
+
+    local_rank, hostname = os.environ["LOCAL_RANK"], socket.gethostname
     os.environ["LOCAL_RANK"] = "0"
+    socket.gethostname = lambda: f"node{_rank()}"
     try:
         out, engine = _layout_run(_node_local_engine, _gpt_step, root, "node_local",
                                   stock_model_states_from_rank_0=True)
     finally:
-        os.environ["LOCAL_RANK"] = local_rank
+        os.environ["LOCAL_RANK"], socket.gethostname = local_rank, hostname
     out["writes_model_states"] = engine.save_non_zero_checkpoint
     return out
 

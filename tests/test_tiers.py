@@ -354,6 +354,14 @@ def test_a_tag_an_earlier_job_could_not_drain_whose_node_copy_is_lost_does_not_r
     assert [rank["latest"] for rank in out] == ["second"] * 2
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["one-folder", "a-folder-each"])
+def test_the_ranks_that_see_one_local_tier_folder_are_one_node_whatever_their_host_names(ranks, tmp_path, shared):
+    folders = [str(tmp_path / "tier")] * 2 if shared else [str(tmp_path / "tier0"), str(tmp_path / "tier1")]
+    out = ranks.run(tier_tasks.nodes_found, str(tmp_path / "durable"), folders)
+    assert [rank["node_ranks"] for rank in out] == ([[0, 1]] * 2 if shared else [[0], [1]])
+    assert all(not any(name.startswith(".async_ckpt-rank") for name in rank["left"]) for rank in out)
+
+
 def test_a_save_committed_locally_but_not_yet_handed_to_its_drain_is_not_listed_to_drain_again(ranks, tmp_path):
     """Listed, it would be drained twice: the second upload into a committed tag, and on ranks whose queues
     took the two in another order, a commit waiting for the other drain until its timeout."""

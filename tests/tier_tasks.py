@@ -232,6 +232,22 @@ def restart_past_a_tag_whose_node_copy_is_lost(durable: str, work: str) -> dict:
     return out
 
 
+def nodes_found(durable: str, folders: list[str]) -> dict:
+    """wrap() with rank r's local tier at ``folders[r]``, each rank on a host name of its own (as two hosts
+    over one NFS folder): the ranks it takes for one node, and what the folder holds after wrap()."""
+    import socket
+
+    hostname = socket.gethostname
+    socket.gethostname = lambda: f"host{_rank()}"
+    try:
+        engine = workload.make_engine(STAGE, "fp32", seed=13)
+        with async_ckpt.wrap(engine, durable, local_tier=folders[_rank()]) as ckpt:
+            dist.barrier()  # every rank's wrap() is done with the folder
+            return {"node_ranks": list(ckpt._node_ranks), "left": sorted(os.listdir(folders[_rank()]))}
+    finally:
+        socket.gethostname = hostname
+
+
 def listing_while_a_save_is_handed_to_its_drain(durable: str, work: str) -> dict:
     """Rank 1's drains keep failing, so each save lists what to drain again. 'second' is committed in the
     node folders while its writer's hand-over to the drainer is held; 'third' is saved meanwhile, after
