@@ -89,6 +89,9 @@ class _Agreement(NamedTuple):
     local: bool  # the save goes to the local tier
     overwrites: bool  # the tag was committed and is uncommitted for this save
     buffer_wait_s: float  # this rank's wait for the previous save to free the staging buffers
+    # the tag's folder holds files async_ckpt did not start (an export into a folder of the user's files,
+    # an overwrite_tags save into stock DeepSpeed's): no start mark there, by which gc would delete them too
+    unmarked: bool = False
 
 
 @dataclass
@@ -706,7 +709,8 @@ class AsyncCheckpointer:
                       keep_last=None if consolidated or tiered else self.config.keep_last,
                       keep_every=self.config.keep_every, metadata=self._metadata(), extras_dir=extras_dir,
                       consolidated=consolidated, max_shard_bytes=max_shard_bytes, tiered=tiered,
-                      node_ranks=self._node_ranks if tiered else (), overwrites=agreed.overwrites, started=started)
+                      node_ranks=self._node_ranks if tiered else (), overwrites=agreed.overwrites, started=started,
+                      unmarked=agreed.unmarked)
         if self._local is not None:
             metrics = {**metrics, "tier": "local" if tiered else "durable"}
         handle.metrics.update(stall_s=time.perf_counter() - started, staging_bytes=job.staged_bytes,
@@ -762,10 +766,18 @@ class AsyncCheckpointer:
                                                   (self._local, tiered and self._local.exists(manifest_path(tag))))
                            if has]
                 committed = bool(holding)
+                if held and not committed and not replace_export and not tiered and started_here(storage, tag):
+                    # a dead save of the tag (its start mark, no manifest: a job killed mid-save, an abort that
+                    # kept its mark): its files go before any rank writes, or those of them this save does not
+                    # overwrite (another world size's shards) would stay in the folder DeepSpeed's tools glob
+                    logger.warning("tag %s at %s holds the files of a save of it that did not commit: removed before "
+                                   "this save writes there", tag, storage.url)
+                    commit.delete_tag(storage, tag)
+                    held = []
                 redrain = self._drains_to_resume() if tiered and self._drain_failed else []
                 proposal = _Proposal(uuid.uuid4().hex, committed,
                                      committed and replace_export and _is_consolidated(storage, tag), redrain,
-                                     foreign=(bool(held) and not committed and not replace_export
+                                     foreign=(bool(held) and not committed
                                               and holds_files(storage, tag) and not started_here(storage, tag)))
             except Exception as exc:  # raised below, on every rank
                 problem = exc
@@ -798,7 +810,7 @@ class AsyncCheckpointer:
             raise TagMismatchError(f"ranks disagree on the checkpoint tag: {sorted(tags)}; pass the same tag on "
                                    "every rank")
         save_id, committed, _, _, foreign = found  # type: ignore[misc]
-        if foreign and not self.config.overwrite_tags:
+        if foreign and not self.config.overwrite_tags and not replace_export:
             raise TagExistsError(f"folder {tag!r} at {storage.url} holds files but neither a manifest nor a start "
                                  "mark of async_ckpt: a checkpoint something else wrote (stock DeepSpeed?), or a "
                                  "save of an async_ckpt older than start marks that died. Saving into it would mix "
@@ -829,7 +841,7 @@ class AsyncCheckpointer:
         if full and self.rank == 0:
             logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,
                            "; ".join(full), storage.url)
-        return _Agreement(save_id, tiered and not full, committed, waited)
+        return _Agreement(save_id, tiered and not full, committed, waited, unmarked=foreign)
 
     def _writes_synchronously(self, on_cpu: bool) -> bool:
         """``synchronous`` as configured; where it is ``None``, on for CPU training whose URL is in memory

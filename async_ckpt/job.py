@@ -48,6 +48,10 @@ class SaveJob:
     #: of this rank was cut short and may have left what its cleanup cannot see (an upload whose abort
     #: failed, an object whose completion's reply was lost, a consolidated file's earlier shards).
     keep_mark: bool = False
+    #: The tag's folder held files async_ckpt did not start (an export into a folder of the user's files):
+    #: no start mark is written there, so that gc, which removes a marked folder without a manifest whole,
+    #: never takes those files for a failed save's. A failed save's own files are removed as ever.
+    unmarked: bool = False
     #: ``keep_last`` retention runs each deletion inside ``retention_allowed()``, and only where it yields
     #: true (a drain's commit while a tiered load reads: :meth:`~async_ckpt.drain.Drainer.pause_retention`).
     retention_allowed: Callable[[], ContextManager[bool]] | None = None

@@ -153,7 +153,7 @@ class BackgroundWriter:
             lent = copied = 0
             copy_wait = _CopyWait(job)
             scratch_dir = self._scratch_dir(job)
-            if job.files:  # a rank with nothing to write (of a consolidated save) starts nothing
+            if job.files and not job.unmarked:  # a rank with nothing to write (of a consolidated save) starts nothing
                 current = "its start mark"
                 commit.mark_started(job.storage, job.tag, job.rank, job.save_id)
                 metrics["mark_s"] = time.perf_counter() - started

@@ -147,3 +147,30 @@ def save_16bit_model_whose_snapshot_fails_on_rank_0(root: str) -> dict:
         return {"outcome": _outcome(lambda: engine.save_16bit_model(os.path.join(root, "export")))}
     finally:
         ckpt.close()
+
+
+def failed_export_into_a_folder_of_the_users_files(root: str) -> dict:
+    """Rank 0's write of save_16bit_model's file is cut short, in a folder that held the user's config.json
+    (the usual Hugging Face export folder); then gc runs with no grace period."""
+    from faulty_fs import register
+
+    from async_ckpt.gc import collect_garbage
+    from async_ckpt.storage import open_storage
+
+    register()
+    engine = _engine(2, "fp32")
+    if _rank() == 0:
+        os.makedirs(f"{root}/final")
+        with open(f"{root}/final/config.json", "w") as fh:
+            fh.write("{}")
+    dist.barrier()
+    faults = {"fail_ranks": [0], "fail_match": "pytorch_model", "fail_after_bytes": 1000}
+    with async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults) as ckpt:
+        engine.save_16bit_model(f"faulty://{root}/final")
+        ckpt.wait()
+        failed = [error.tag for error in ckpt.failures]
+    dist.barrier()
+    if _rank() == 0:
+        collect_garbage(open_storage(root), grace_s=0)
+    dist.barrier()
+    return {"failed": failed, "left": sorted(os.listdir(f"{root}/final")) if os.path.isdir(f"{root}/final") else None}

@@ -3,7 +3,7 @@
 Registered as ``faulty://`` inside the rank processes. ``storage_options``:
 ``gate`` (a path: writes of ``*.pt`` files block until it exists), ``gate_ranks`` (ranks the gate applies to,
 default all), ``gate_match`` (gate only paths containing this, default ``.pt.``), ``fail_ranks`` (ranks whose
-writes of ``*.pt`` files fail), ``fail_match`` (only those whose path contains this, default every one),
+writes of ``*.pt`` and ``*.bin`` files fail), ``fail_match`` (only those whose path contains this, default every one),
 ``fail_errno`` (the error they get: ``ENOSPC`` by default, ``EIO``, ``EACCES``...), ``fail_after_bytes``
 (bytes of each such file written before the failure, default 0), ``latency_s`` (sleep
 before every write of a ``*.pt`` file, on every rank), ``fail_rm`` (deletions of paths containing this fail: permission denied),
@@ -35,7 +35,7 @@ class _FaultyWriter:
 
     def write(self, data):
         rank = int(os.environ.get("RANK", "0"))
-        data_file = ".pt." in self._path
+        data_file = ".pt." in self._path or ".bin." in self._path  # torch.save files: DeepSpeed's, save_16bit_model's
         if self._fs.gate and rank in self._fs.gate_ranks and self._fs.gate_match in self._path:
             deadline = time.monotonic() + GATE_TIMEOUT_S
             while not os.path.exists(self._fs.gate):

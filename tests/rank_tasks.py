@@ -354,6 +354,14 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
         os.makedirs(f"{root}/aborted/.async_ckpt/scratch-rank0", exist_ok=True)
     dist.barrier()
     out["save_over_an_aborted_save"] = _outcome(lambda: ckpt.save(tag="aborted").result(timeout=60))
+    if _rank() == 0:  # what a save of 6 ranks killed mid-save leaves: its marks and shards, no manifest
+        os.makedirs(f"{root}/dead/.async_ckpt", exist_ok=True)
+        with open(f"{root}/dead/.async_ckpt/started-rank5", "w") as fh:
+            fh.write("an earlier save's id")
+        open(f"{root}/dead/zero_pp_rank_5_mp_rank_00_optim_states.pt", "wb").close()
+    dist.barrier()
+    out["save_over_a_dead_save"] = _outcome(lambda: ckpt.save(tag="dead").result(timeout=60))
+    out["dead_folder_after"] = sorted(os.listdir(f"{root}/dead"))
     # ZeRO-1: rank 0 alone writes the model states, with client_state; only its snapshot of them fails
     out["unsnapshottable_client_state"] = _outcome(
         lambda: ckpt.save(tag="lock", client_state={"lock": threading.Lock()}).result(timeout=120))

@@ -158,11 +158,19 @@ def test_a_tag_whose_earlier_save_aborted_can_be_saved_again(outcomes):
     assert [r["save_over_an_aborted_save"] for r in outcomes] == [None, None]
 
 
+def test_a_save_over_a_dead_save_of_its_tag_leaves_none_of_that_saves_files_in_the_committed_folder(outcomes):
+    assert [r["save_over_a_dead_save"] for r in outcomes] == [None, None]
+    after = outcomes[0]["dead_folder_after"]
+    assert [name for name in after if name.endswith("_states.pt")] == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # not the dead save's rank-5 shard
+
+
 def test_a_snapshot_failing_on_one_rank_fails_the_save_on_every_rank_without_hanging_the_others(outcomes):
     (kind0, message0), (kind1, message1) = [rank["unsnapshottable_client_state"] for rank in outcomes]
     assert kind0 == "UsageError" and "lock" in message0
     assert kind1 in ("SaveFailedError", "StorageError") and "rank 0" in message1
-    assert [rank["latest_after_unsnapshottable"] for rank in outcomes] == ["aborted"] * 2
+    assert [rank["latest_after_unsnapshottable"] for rank in outcomes] == ["dead"] * 2  # the save before
     assert [rank["save_after_unsnapshottable"] for rank in outcomes] == [None, None]
 
 
