@@ -68,7 +68,7 @@ class _Proposal(NamedTuple):
     committed: bool  # the tag has a manifest already
     replaceable: bool  # ... of an earlier consolidated save, which an export may replace
     redrain: list[tuple[str, str]]  # (drain id, manifest) of drains to resume (tiered)
-    foreign: bool = False  # the tag's folder holds files async_ckpt did not start (not for an export)
+    foreign: bool = False  # the tag's folder holds files async_ckpt did not start
 
 
 class _View(NamedTuple):
@@ -766,7 +766,8 @@ class AsyncCheckpointer:
                                                   (self._local, tiered and self._local.exists(manifest_path(tag))))
                            if has]
                 committed = bool(holding)
-                if held and not committed and not replace_export and not tiered and started_here(storage, tag):
+                if held and not committed and not replace_export and not tiered and stuck is None \
+                        and started_here(storage, tag):  # (not after a wait that gave up: that save may be live)
                     # a dead save of the tag (its start mark, no manifest: a job killed mid-save, an abort that
                     # kept its mark): its files go before any rank writes, or those of them this save does not
                     # overwrite (another world size's shards) would stay in the folder DeepSpeed's tools glob
@@ -831,7 +832,8 @@ class AsyncCheckpointer:
                 for tier in holding:  # marked first: if the job dies before this save commits, gc knows it for ours
                     # not while a commit's retention pass, which may have listed the tag as committed, runs there
                     with tier.after_commit_lock:
-                        commit.mark_started(tier, tag, 0, save_id)
+                        if not replace_export:  # an export's folder may hold the user's files: never gc's
+                            commit.mark_started(tier, tag, 0, save_id)
                         tier.delete(manifest_path(tag))  # uncommit: a half-overwritten tag is never 'committed'
             self._gather_checked(f"to uncommit tag {tag!r}, which this save overwrites", uncommit)
         # decided per node folder, from the bytes all its ranks will write: the same on every rank
@@ -841,7 +843,11 @@ class AsyncCheckpointer:
         if full and self.rank == 0:
             logger.warning("the local tier has no room for tag %s (%s); this save goes straight to %s", tag,
                            "; ".join(full), storage.url)
-        return _Agreement(save_id, tiered and not full, committed, waited, unmarked=foreign)
+        local = tiered and not full
+        # files not of this save's making in the folder (the user's beside an export, another tool's): not
+        # found in the node folder, which a save to the local tier writes into, marked as ever
+        unmarked = (foreign or (committed and replace_export)) and not local
+        return _Agreement(save_id, local, committed, waited, unmarked=unmarked)
 
     def _writes_synchronously(self, on_cpu: bool) -> bool:
         """``synchronous`` as configured; where it is ``None``, on for CPU training whose URL is in memory

@@ -222,10 +222,14 @@ class AsyncCheckpointCallback(TrainerCallback):
             if (folder, failure.tag) not in self._saved or not _CHECKPOINT_RE.match(os.path.basename(folder)):
                 continue
             if state.best_model_checkpoint is not None and os.path.abspath(state.best_model_checkpoint) == folder:
-                # on every process: load_best_model_at_end would load a folder that holds no checkpoint
-                state.best_model_checkpoint = None
-                logger.warning("the save into %s, Trainer's best checkpoint so far, failed: it is no longer the best "
-                               "checkpoint (load_best_model_at_end loads none unless a later one is best)", folder)
+                # on every process: load_best_model_at_end would load a folder that holds no checkpoint. Its step
+                # and metric go too: Trainer would point at the folder again from its step, and no later
+                # checkpoint would be best unless it beat the failed one's metric
+                state.best_model_checkpoint, state.best_metric = None, None
+                if hasattr(state, "best_global_step"):
+                    state.best_global_step = None
+                logger.warning("the save into %s, Trainer's best checkpoint so far, failed: Trainer picks its best "
+                               "checkpoint anew from the next evaluation on", folder)
             if not self._trainer.args.should_save or not os.path.isdir(folder):
                 continue
             aside = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}")

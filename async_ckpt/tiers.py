@@ -40,7 +40,7 @@ from typing import Any, Callable, Collection, ContextManager
 from async_ckpt.catalog import TagInfo, has_start_mark, holds_files, list_tags, read_latest, read_manifest
 from async_ckpt.commit import always_allowed, delete_tag, no_new_marks
 from async_ckpt.manifest import Manifest, earlier_in_run
-from async_ckpt.storage.base import Storage
+from async_ckpt.storage.base import PROBE_PREFIX, Storage
 
 logger = logging.getLogger("async_ckpt")
 
@@ -68,7 +68,7 @@ def ranks_sharing(path: str, rank: int, gather: Callable[[Any], list[Any]]) -> l
     an NFS folder is one folder on many hosts (with a device number of each client's), and one host's
     containers may have host names of their own over one shared host path."""
     os.makedirs(path, exist_ok=True)
-    name = f".async_ckpt-rank{rank}-{uuid.uuid4().hex}"
+    name = f"{PROBE_PREFIX}rank{rank}-{uuid.uuid4().hex}"  # a killed rank's is gc's, as wrap()'s probe is
     mark: str | None = os.path.join(path, name)
     try:
         with open(mark, "xb"):

@@ -149,9 +149,10 @@ def save_16bit_model_whose_snapshot_fails_on_rank_0(root: str) -> dict:
         ckpt.close()
 
 
-def failed_export_into_a_folder_of_the_users_files(root: str) -> dict:
+def failed_export_into_a_folder_of_the_users_files(root: str, again: bool) -> dict:
     """Rank 0's write of save_16bit_model's file is cut short, in a folder that held the user's config.json
-    (the usual Hugging Face export folder); then gc runs with no grace period."""
+    (the usual Hugging Face export folder), where with ``again`` an earlier export committed; then gc runs with
+    no grace period."""
     from faulty_fs import register
 
     from async_ckpt.gc import collect_garbage
@@ -164,6 +165,9 @@ def failed_export_into_a_folder_of_the_users_files(root: str) -> dict:
         with open(f"{root}/final/config.json", "w") as fh:
             fh.write("{}")
     dist.barrier()
+    if again:
+        with async_ckpt.wrap(engine, root) as ckpt:
+            engine.save_16bit_model(f"{root}/final")
     faults = {"fail_ranks": [0], "fail_match": "pytorch_model", "fail_after_bytes": 1000}
     with async_ckpt.wrap(engine, f"faulty://{root}", storage_options=faults) as ckpt:
         engine.save_16bit_model(f"faulty://{root}/final")

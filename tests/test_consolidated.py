@@ -195,11 +195,13 @@ def test_save_16bit_model_whose_snapshot_fails_on_rank_0_raises_on_every_rank(ra
     assert second["outcome"][0] == "StorageError" and "rank 0 failed" in second["outcome"][1]
 
 
-def test_gc_after_a_failed_export_into_a_folder_of_the_users_files_keeps_those_files(ranks, tmp_path):
-    first, _ = ranks.run(consolidated_tasks.failed_export_into_a_folder_of_the_users_files, str(tmp_path),
+@pytest.mark.parametrize("again", [False, True], ids=["first-export", "export-again"])
+def test_gc_after_a_failed_export_into_a_folder_of_the_users_files_keeps_those_files(ranks, tmp_path, again):
+    first, _ = ranks.run(consolidated_tasks.failed_export_into_a_folder_of_the_users_files, str(tmp_path), again,
                          timeout_s=300)
     assert first["failed"] == ["final"]
-    assert first["left"] == ["config.json"]  # the failed save's own files gone, the user's kept
+    # the failed save's own files gone, the user's kept (and the earlier export's file it did not replace)
+    assert first["left"] == (["config.json", "pytorch_model.bin"] if again else ["config.json"])
 
 
 def test_close_gives_the_engine_its_own_save_16bit_model_back(run):
