@@ -337,25 +337,37 @@ def test_failed_s3_write_aborts_its_multipart_upload(s3, bucket):
     assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="run/tag/")
 
 
-def test_s3_close_during_an_upload_fails_the_upload_rather_than_hanging_it(s3, bucket):
-    proxy = FaultProxy(s3.endpoint)
-    proxy.hold = "run/tag/blob.bin"  # part uploads hang: they are in flight when close() comes
+def _uploading(storage, payload: bytes) -> tuple[threading.Thread, list[BaseException]]:
+    """``payload`` being written to ``tag/blob.bin`` on a thread of its own; the errors it raised."""
     errors: list[BaseException] = []
-    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint), part_size=5 * 1024 * 1024)
 
     def upload() -> None:
         try:
             with storage.open_write("tag/blob.bin") as stream:
-                stream.write(os.urandom(11 * 1024 * 1024))
+                stream.write(payload)
         except BaseException as exc:  # noqa: BLE001 (the test looks at it)
             errors.append(exc)
 
     writer = threading.Thread(target=upload)
+    writer.start()
+    return writer, errors
+
+
+def _held(proxy: FaultProxy, count: int, timeout_s: float) -> int:
+    """The requests the proxy holds once ``count`` are, or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while proxy.held < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proxy.held
+
+
+def test_s3_close_during_an_upload_fails_the_upload_rather_than_hanging_it(s3, bucket):
+    proxy = FaultProxy(s3.endpoint)
+    proxy.hold = "run/tag/blob.bin"  # part uploads hang: they are in flight when close() comes
+    storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint), part_size=5 * 1024 * 1024)
+    writer, errors = _uploading(storage, os.urandom(11 * 1024 * 1024))
     try:
-        writer.start()
-        deadline = time.monotonic() + 30
-        while proxy.held < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _held(proxy, 2, 30)
         storage.close()
         writer.join(timeout=60)
         assert not writer.is_alive()
@@ -373,22 +385,9 @@ def test_s3_sends_max_concurrency_parts_at_once_on_one_lane_beyond_botocores_ten
     storage = open_storage(f"s3://{bucket}/run", options(proxy.endpoint), part_size=5 * 1024 * 1024,
                            max_concurrency=12, upload_threads=1)
     payload = os.urandom(12 * 5 * 1024 * 1024 + 1)
-    errors: list[BaseException] = []
-
-    def upload() -> None:
-        try:
-            with storage.open_write("tag/blob.bin") as stream:
-                stream.write(payload)
-        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
-            errors.append(exc)
-
-    writer = threading.Thread(target=upload)
+    writer, errors = _uploading(storage, payload)
     try:
-        writer.start()
-        deadline = time.monotonic() + 15
-        while proxy.held < 12 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        in_flight = proxy.held
+        in_flight = _held(proxy, 12, 15)
         proxy.heal()
         writer.join(timeout=120)
         assert in_flight == 12 and not writer.is_alive() and errors == []
