@@ -24,6 +24,7 @@ from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.layout import MANIFEST, MARKS_LOCK, start_mark
 from async_ckpt.launch import RankError
 from async_ckpt.storage import LocalStorage, open_storage
+from async_ckpt.storage.base import PROBE_PREFIX
 from async_ckpt.storage.local import file_lock
 from async_ckpt.tiers import (TierRoom, choose_tag, committed_view, estimate_save_bytes, holds_chosen_save,
                               node_has_room, prune_local, readable_saves, tier_room, undrained)
@@ -359,7 +360,7 @@ def test_the_ranks_that_see_one_local_tier_folder_are_one_node_whatever_their_ho
     folders = [str(tmp_path / "tier")] * 2 if shared else [str(tmp_path / "tier0"), str(tmp_path / "tier1")]
     out = ranks.run(tier_tasks.nodes_found, str(tmp_path / "durable"), folders)
     assert [rank["node_ranks"] for rank in out] == ([[0, 1]] * 2 if shared else [[0], [1]])
-    assert all(not any(name.startswith(".async_ckpt-rank") for name in rank["left"]) for rank in out)
+    assert all(not any(name.startswith(PROBE_PREFIX) for name in rank["left"]) for rank in out)  # marks gone
 
 
 def test_a_save_committed_locally_but_not_yet_handed_to_its_drain_is_not_listed_to_drain_again(ranks, tmp_path):
