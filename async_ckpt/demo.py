@@ -12,6 +12,7 @@ import os
 import tempfile
 import time
 
+from async_ckpt.arguments import make_writable_folder
 from async_ckpt.errors import UsageError
 from async_ckpt.launch import RankGroup
 
@@ -80,19 +81,11 @@ def run_demo(root: str | None = None, steps: int = 20, save_every: int = 5, size
     if steps % save_every:
         raise UsageError(f"--steps {steps} is not a multiple of --save-every {save_every}: phase 1 ends with a save, "
                          "which phase 2 resumes from; pass a multiple")
-    if root is not None and os.path.exists(root) and not os.path.isdir(root):
-        raise UsageError(f"--dir {root} is a file; pass a new or empty folder, or leave --dir out")
     if root is not None and os.path.isdir(root) and os.listdir(root):
         raise UsageError(f"--dir {root} is not empty (an earlier demo's checkpoints?): the demo's tags would clash "
                          "with them; pass a new or empty folder, or leave --dir out")
-    if root is not None:  # before the ranks start: there, it would be a rank's failure, not a clear refusal
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--dir {root} cannot be made ({exc.strerror}); pass a folder you can write to, "
-                             "or leave --dir out") from exc
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise UsageError(f"--dir {root} is not writable; pass a folder you can write to, or leave --dir out")
+    if root is not None:
+        make_writable_folder(root, "--dir", "pass a new or empty folder you can write to, or leave --dir out")
     root = root or tempfile.mkdtemp(prefix="async_ckpt_demo_")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     print(f"async_ckpt demo: GPT-style model ({size}), DeepSpeed ZeRO-3 fp32, 2 CPU ranks (gloo)")

@@ -57,17 +57,22 @@ class Method:
             return
         if "://" not in self.root:
             shutil.rmtree(self.root, ignore_errors=True)
-            return
-        import fsspec
+        else:  # the run's folder is removed at its end, if this fails
+            remove_url_folder(self.root, self.target["storage_options"])
 
-        fs, path = fsspec.core.url_to_fs(self.root, **self.target["storage_options"])
-        try:
-            fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:  # the figures stand: say what is left (the run's folder is removed at its end)
-            logger.warning("could not delete %s's checkpoints under %s: %s: %s", self.name, self.root,
-                           type(exc).__name__, exc)
+
+def remove_url_folder(url: str, storage_options: dict) -> None:
+    """Remove the folder ``url`` of an object store and everything under it; a failure is logged, not
+    raised: a benchmark's figures stand without it."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass  # nothing there (deleted already)
+    except Exception as exc:
+        logger.warning("could not remove %s: %s: %s", url, type(exc).__name__, exc)
 
 
 def _dir_bytes(path: str) -> int:

@@ -25,18 +25,16 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from async_ckpt.arguments import COUNT, SECONDS
+from async_ckpt.arguments import COUNT, SECONDS, make_writable_folder
 from async_ckpt.errors import UsageError
 from async_ckpt.workload import MLP_SIZES, SIZES
-from async_ckpt.bench.methods import METHODS, ON_REQUEST
+from async_ckpt.bench.methods import METHODS, ON_REQUEST, remove_url_folder
 from async_ckpt.bench.writeback import DRAIN_CAP_S
 
 ALL_METHODS = list(METHODS)
 #: What a run without --methods compares: every method but the prototypes run on request only.
 DEFAULT_METHODS = [m for m in METHODS if m not in ON_REQUEST]
 WORKLOADS = ("gpt", "mlp")
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -262,14 +260,7 @@ def check_run_arguments(cfg: BenchConfig) -> None:
     if cfg.endpoint and not cfg.url:
         raise UsageError(f"--endpoint {cfg.endpoint} is the S3 endpoint of --url: pass --url s3://bucket/prefix "
                          "with it, or drop --endpoint to benchmark an embedded moto server")
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise UsageError(f"--out {cfg.out} is a file; pass a folder for the results")
-    try:
-        os.makedirs(cfg.out, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {cfg.out} cannot be made ({exc.strerror}); pass a folder you can write to") from exc
-    if not os.access(cfg.out, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {cfg.out} is not writable; pass a folder you can write to")
+    make_writable_folder(cfg.out, "--out", "pass a folder you can write to, for the results")
 
 
 def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
@@ -309,15 +300,16 @@ def _start_target(cfg: BenchConfig, workdir: str) -> tuple[dict, Any]:
 
 
 def _check_writable(url: str, options: dict, given: str) -> None:
-    """Refuse (UsageError) a ``--url`` this run cannot write an object into, before its ranks start: a wrong
-    bucket, endpoint or credentials would otherwise fail each rank's first save."""
-    import fsspec
+    """Refuse (UsageError) a ``--url`` this run cannot write into, before its ranks start: a wrong bucket,
+    endpoint or credentials would otherwise fail each rank's first save. The probe ``wrap()`` runs."""
+    from async_ckpt.storage import open_storage
 
-    fs, path = fsspec.core.url_to_fs(url, **options)
-    probe = f"{path}/.probe"
     try:
-        fs.pipe_file(probe, b"")
-        fs.rm_file(probe)
+        storage = open_storage(url, options)
+        try:
+            storage.probe()
+        finally:
+            storage.close()
     except Exception as exc:
         raise UsageError(f"--url {given}: cannot write there ({type(exc).__name__}: {exc}); check --url, "
                          "--endpoint and the credentials") from exc
@@ -328,16 +320,7 @@ def stop_target(target: dict | None, server: Any) -> None:
     if server is not None:
         server.stop()
     elif target is not None and target["kind"] != "local":
-        import fsspec
-
-        fs, path = fsspec.core.url_to_fs(target["url"], **target["storage_options"])
-        try:
-            fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass  # every method's checkpoints were deleted once measured
-        except Exception as exc:  # the results stand: say what is left
-            logger.warning("could not remove this run's checkpoints under %s: %s: %s", target["url"],
-                           type(exc).__name__, exc)
+        remove_url_folder(target["url"], target["storage_options"])
 
 
 def run(cfg: BenchConfig) -> dict:
