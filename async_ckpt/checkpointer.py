@@ -766,8 +766,8 @@ class AsyncCheckpointer:
                                                   (self._local, tiered and self._local.exists(manifest_path(tag))))
                            if has]
                 committed = bool(holding)
-                if held and not committed and not replace_export and not tiered and stuck is None \
-                        and started_here(storage, tag):  # (not after a wait that gave up: that save may be live)
+                ours = bool(held) and not committed and started_here(storage, tag)  # a save of it that did not commit
+                if ours and not replace_export and not tiered and stuck is None:  # (a wait that gave up: maybe live)
                     # a dead save of the tag (its start mark, no manifest: a job killed mid-save, an abort that
                     # kept its mark): its files go before any rank writes, or those of them this save does not
                     # overwrite (another world size's shards) would stay in the folder DeepSpeed's tools glob
@@ -778,8 +778,7 @@ class AsyncCheckpointer:
                 redrain = self._drains_to_resume() if tiered and self._drain_failed else []
                 proposal = _Proposal(uuid.uuid4().hex, committed,
                                      committed and replace_export and _is_consolidated(storage, tag), redrain,
-                                     foreign=(bool(held) and not committed
-                                              and holds_files(storage, tag) and not started_here(storage, tag)))
+                                     foreign=bool(held) and not committed and not ours and holds_files(storage, tag))
             except Exception as exc:  # raised below, on every rank
                 problem = exc
         views: list[_View] = self._gather(_View(tag, proposal, room, self._failure_to_report(),
@@ -1219,8 +1218,8 @@ class AsyncCheckpointer:
             waited = time.monotonic() - started
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"rank {self.rank}: waited {waited:.0f} s for {what} (tag {tag!r} to "
-                                       f"{url or self.storage.url}) and gave up. The write or its commit is stuck: check "
-                                       f"the other ranks and the storage; raise {limit} if it is only slow")
+                                       f"{url or self.storage.url}) and gave up. The write or its commit is stuck: "
+                                       f"check the other ranks and the storage; raise {limit} if it is only slow")
             logger.warning("rank %d: still waiting for %s (tag %s) after %.0f s; giving up after %.0f s",
                            self.rank, what, tag, waited, timeout_s)
 

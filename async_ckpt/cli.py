@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"async-ckpt {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
         output = getattr(args, "dest", None) or getattr(args, "out", None)
-        where = (getattr(args, "url", None) or "the checkpoint") + (f" or write to {output}" if output else "")
+        where = args.url + (f" or write to {output}" if output else "")  # every command left names a URL
         print(f"async-ckpt {args.command}: cannot read {where}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
               f"Check the URL{', the output path' if output else ''}, --endpoint and the credentials", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -151,7 +151,8 @@ def summarize(report: dict) -> dict:
             # the stall, as the training time lost counts it: the call's median, and the waits a save causes
             # in the next step averaged (as the steps' extra time is), so that a rare long wait counts once
             "stall_in_call_s": _median(per_save_call),
-            "stall_in_next_step_per_save_s": sum(per_save_waited) / len(per_save_waited) if per_save_waited else None, "bytes_per_save": total_bytes, "persist_gbps": gbps,
+            "stall_in_next_step_per_save_s": sum(per_save_waited) / len(per_save_waited) if per_save_waited else None,
+            "bytes_per_save": total_bytes, "persist_gbps": gbps,
             "fsynced": fsynced, "setup_s": max((r["methods"][name].get("setup_s") or 0.0) for r in ranks),
             "finish_wait_s": max(r["methods"][name].get("finish_wait_s", 0.0) for r in ranks),
             "peak_rss_above_start_bytes": _max_known(p.get("rss") for p in peaks),
