@@ -65,6 +65,11 @@ _REFUSED_PARTS = ("InvalidPart", "InvalidPartOrder", "EntityTooSmall", "InvalidR
                   "BadRequest", "400")
 
 
+#: Why S3 denies a read (403), of which it does not say which.
+_DENIED_WHY = ("the credentials may not read it (s3:GetObject), or it does not exist and they may not list the "
+               "bucket (s3:ListBucket; S3 then answers 403 for a missing key, not 404)")
+
+
 def _replaced(exc: BaseException) -> bool:
     """Whether a client error is S3's answer that the object no longer has the ETag asked for (``If-Match``)."""
     return _error_code(exc) in ("PreconditionFailed", "412")
@@ -421,9 +426,7 @@ class S3Storage(FsspecStorage):
                                    "changed); nothing of two versions was mixed. Run again once no other job "
                                    "writes that checkpoint") from None
             if _error_code(exc) in ("403", "AccessDenied"):
-                raise StorageError(f"access to s3://{self.bucket}/{key} was denied (403): the credentials may not read "
-                                   "it (s3:GetObject), or it does not exist and they may not list the bucket "
-                                   "(s3:ListBucket; S3 then answers 403 for a missing key, not 404). Check the "
+                raise StorageError(f"access to s3://{self.bucket}/{key} was denied (403): {_DENIED_WHY}. Check the "
                                    "credentials and the bucket policy") from exc
             if isinstance(exc, OSError) and exc.errno in _LOCAL_WRITE_ERRNOS:  # the local file, not the network
                 raise StorageError(f"cannot write {local_path} (downloading s3://{self.bucket}/{key}): "
@@ -566,9 +569,8 @@ class S3Storage(FsspecStorage):
                     raise FileNotFoundError(f"s3://{self.bucket}/{key}") from None
                 if _error_code(exc) in ("403", "AccessDenied"):  # as s3fs's reads raise it: callers that
                     # take an unreadable file for one (catalog.inspect_latest) work on S3 too
-                    raise PermissionError(errno.EACCES, "access denied (403): the credentials may not read it "
-                                          "(s3:GetObject), or it does not exist and they may not list the bucket "
-                                          "(s3:ListBucket)", f"s3://{self.bucket}/{key}") from exc
+                    raise PermissionError(errno.EACCES, f"access denied (403): {_DENIED_WHY}",
+                                          f"s3://{self.bucket}/{key}") from exc
                 raise
             async with resp["Body"] as body:
                 return await body.read()
