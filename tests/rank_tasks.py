@@ -7,6 +7,7 @@ import glob
 import errno
 import logging
 import os
+import sys
 import time
 import threading
 from typing import Iterator
@@ -131,6 +132,17 @@ def save_while_storage_is_gated(root: str, gate: str) -> dict:
     return seen
 
 
+def _waiting_for_peers(rank: int) -> bool:
+    """Whether this process's writer thread is in the commit's wait for every rank's report."""
+    writer = next((t for t in threading.enumerate() if t.name == f"async_ckpt-writer-rank{rank}"), None)
+    frame = sys._current_frames().get(writer.ident) if writer is not None else None
+    while frame is not None:
+        if frame.f_code.co_name == "gather" and frame.f_code.co_filename.endswith("handshake.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def commit_waits_for_every_rank(root: str, gate: str) -> dict:
     """Rank 1's write is held: rank 0's files are durable, yet nothing is committed until rank 1's are."""
     from faulty_fs import register
@@ -142,10 +154,11 @@ def commit_waits_for_every_rank(root: str, gate: str) -> dict:
                            tokenizer=workload.build_tokenizer())
     first = ckpt.save(tag="first")
     seen: dict = {}
-    if _rank() == 0:
+    if _rank() == 0:  # checked once rank 0's writer waits for its peers: a commit that did not would be done
         deadline = time.monotonic() + 60
-        while not glob.glob(f"{root}/first/zero_pp_rank_0_*_optim_states.pt") and time.monotonic() < deadline:
+        while not _waiting_for_peers(0) and time.monotonic() < deadline:
             time.sleep(0.01)
+        seen["rank0_waiting"] = _waiting_for_peers(0)
         seen["rank0_durable"] = bool(glob.glob(f"{root}/first/zero_pp_rank_0_*_optim_states.pt"))
         seen["latest_before"] = os.path.exists(f"{root}/latest")
         seen["manifest_before"] = os.path.exists(f"{root}/first/async_ckpt_manifest.json")

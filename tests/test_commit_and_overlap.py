@@ -28,6 +28,7 @@ def one_rank_held(ranks, tmp_path_factory):
 
 
 def test_latest_is_absent_while_another_rank_is_still_writing(one_rank_held):
+    assert one_rank_held["rank0_waiting"] is True
     assert one_rank_held["rank0_durable"] is True
     assert one_rank_held["latest_before"] is False
     assert one_rank_held["manifest_before"] is False
@@ -38,6 +39,7 @@ def test_latest_names_the_tag_once_every_rank_is_durable(one_rank_held):
 
 
 def test_tokenizer_lands_with_the_commit(one_rank_held):
+    assert one_rank_held["rank0_waiting"] is True
     assert one_rank_held["tokenizer_before"] is False
     assert one_rank_held["tokenizer_after"] is True
 
