@@ -76,6 +76,7 @@ def export_hf(storage: Storage, manifest: Manifest, out_dir: str, *, dtype: str 
         raise UsageError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     if max_shard_bytes <= 0:
         raise UsageError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    out_dir = os.path.expanduser(out_dir)  # the shell leaves the ~ of --out=~/x; so would a quoted path
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"--out {out_dir} is a file; export into a new or empty folder")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -167,6 +167,7 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
     local = storage.local_dir()
     if not dest.strip():
         raise UsageError("--dest is empty; pass the local folder to pull the tag into")
+    dest = os.path.expanduser(dest)  # as LocalStorage takes it, which writes the manifest and 'latest'
     if local is not None and os.path.realpath(local) == os.path.realpath(dest):
         raise UsageError(f"--dest {dest} is the checkpoint root itself; pull into another folder")
     if os.path.exists(dest) and not os.path.isdir(dest):
@@ -184,6 +185,11 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
         if not 0 <= rank < dp_size:
             raise UsageError(f"data-parallel rank {rank} does not exist in tag {manifest.tag!r}, saved by "
                              f"{dp_size} data-parallel rank(s) of {manifest.world_size}; pass --rank 0..{dp_size - 1}")
+        held = _held_manifest(tag_dir)
+        if held is not None and held.save_id != manifest.save_id:
+            raise UsageError(f"{tag_dir} holds a pull of another save of tag {manifest.tag!r}: a pull of rank {rank} "
+                             "alone would label that save's files of the other ranks with this save's manifest. "
+                             "Pull into another --dest, remove that folder first, or pull every rank (no --rank)")
         keep = set(files_for_rank(paths, rank)) | {p for p in paths if not p.endswith(".pt")}
         paths = [p for p in paths if p in keep]
     entries = [manifest.entry(p) for p in paths]
@@ -272,12 +278,7 @@ def _unlabel_another_save(dest: str, tag_dir: str, manifest: Manifest) -> None:
     which has no manifest): a pull cut short then leaves a folder nothing names as a checkpoint, not the
     old labels on a mix of two saves' files. One that fails before replacing any file leaves the earlier
     pull as it was, labelled."""
-    path = os.path.join(tag_dir, MANIFEST)
-    try:
-        with open(path, "rb") as fh:
-            held: Manifest | None = Manifest.from_json(fh.read())
-    except (FileNotFoundError, CorruptManifestError, UnsupportedManifestError):
-        held = None
+    held = _held_manifest(tag_dir)
     if held is not None and held.save_id == manifest.save_id:
         return
     latest = os.path.join(dest, LATEST_UNIVERSAL if manifest.universal else LATEST)
@@ -287,7 +288,16 @@ def _unlabel_another_save(dest: str, tag_dir: str, manifest: Manifest) -> None:
         if named == manifest.tag:
             os.remove(latest)
     with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
+        os.remove(os.path.join(tag_dir, MANIFEST))
+
+
+def _held_manifest(tag_dir: str) -> Manifest | None:
+    """The manifest an earlier pull left in ``tag_dir``; ``None`` where there is none this version reads."""
+    try:
+        with open(os.path.join(tag_dir, MANIFEST), "rb") as fh:
+            return Manifest.from_json(fh.read())
+    except (FileNotFoundError, CorruptManifestError, UnsupportedManifestError):
+        return None
 
 
 def files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:

@@ -111,7 +111,9 @@ def test_pull_from_s3_gives_a_deepspeed_root_with_the_same_weights(zero3, s3, ca
 def test_pull_from_a_local_root_copies_and_verifies_every_file(zero3, capsys, tmp_path):
     code, out, _ = run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(tmp_path), "--json", "--quiet")
     report = json.loads(out)
-    assert code == 0 and report["files_fetched"] == len(report["files"])
+    listed = resolve(open_storage(str(zero3["local"])), zero3["tag"]).files
+    assert code == 0 and sorted(report["files"]) == sorted(e.path for e in listed)
+    assert report["files_fetched"] == len(listed) and (tmp_path / "latest").read_text() == zero3["tag"]
     for name in report["files"]:
         assert (tmp_path / zero3["tag"] / name).read_bytes() == (zero3["local"] / zero3["tag"] / name).read_bytes()
 
@@ -176,7 +178,8 @@ def test_pull_again_fetches_nothing(zero3, s3, capsys, tmp_path):
     run_cli(capsys, *args)
     code, out, _ = run_cli(capsys, *args)
     report = json.loads(out)
-    assert code == 0 and report["files_fetched"] == 0 and report["files_skipped"] == len(report["files"])
+    assert code == 0 and report["files"] and report["files_fetched"] == 0
+    assert report["files_skipped"] == len(report["files"])
 
 
 def test_interrupted_pull_resumes_with_the_parts_it_has(zero3, s3, tmp_path):
@@ -340,6 +343,35 @@ def test_a_pull_of_another_save_that_fails_before_replacing_a_file_leaves_the_ea
                          str(dest), "--tag", tag)
     assert code == 2 and (dest / tag / MANIFEST).read_bytes() == held and (dest / "latest").read_text() == tag
     assert run_cli(capsys, "verify", str(dest), "--tag", tag)[0] == 0
+
+
+def test_a_pull_of_one_rank_into_a_pull_of_another_save_is_refused_leaving_it_as_it_was(zero3, capsys, tmp_path):
+    """Its manifest would list the other ranks' files of the earlier save, which this pull does not fetch."""
+    tag, dest = zero3["tag"], _pulled(zero3, tmp_path / "dest")
+    held = (dest / tag / MANIFEST).read_bytes()
+    root = _saved_again(zero3, tmp_path / "root", changed=True)
+    code, _, err = run_cli(capsys, "pull", str(root), "--dest", str(dest), "--tag", tag, "--rank", "0")
+    assert code == 2 and "holds a pull of another save" in err and "no --rank" in err
+    assert (dest / tag / MANIFEST).read_bytes() == held and (dest / "latest").read_text() == tag
+    assert run_cli(capsys, "verify", str(dest), "--tag", tag)[0] == 0
+
+
+def test_a_pull_of_one_rank_into_a_pull_of_the_same_save_adds_its_files(zero3, capsys, tmp_path):
+    tag, dest = zero3["tag"], tmp_path / "dest"
+    assert run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(dest), "--rank", "1", "--quiet")[0] == 0
+    assert run_cli(capsys, "pull", str(zero3["local"]), "--dest", str(dest), "--rank", "0", "--quiet")[0] == 0
+    assert run_cli(capsys, "verify", str(dest), "--tag", tag)[0] == 0
+
+
+def test_pull_and_export_into_a_home_relative_folder_write_under_home(zero3, capsys, tmp_path, monkeypatch):
+    """``--dest=~/x`` reaches the program with its ``~``: the shell expands it only at a word's start."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(capsys, "pull", str(zero3["local"]), "--dest=~/ckpt", "--quiet")[0] == 0
+    assert run_cli(capsys, "export", str(zero3["local"]), "--out=~/hf")[0] == 0
+    assert run_cli(capsys, "verify", str(tmp_path / "home" / "ckpt"))[0] == 0
+    assert list((tmp_path / "home" / "hf").glob("*.safetensors"))
+    assert not (tmp_path / "~").exists()
 
 
 def test_a_pull_cut_short_into_a_stock_root_of_the_tag_leaves_latest_naming_nothing(zero3, capsys, tmp_path):
