@@ -126,12 +126,10 @@ class Probe(TrainerCallback):
 
     def __init__(self, stop_at: int) -> None:
         self.stop_at = stop_at
-        self.save_started: float | None = None
         self.seen: dict[int, dict[str, Any]] = {}
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save:
-            self.save_started = time.perf_counter()
             earlier = sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*")))
             self.seen[state.global_step] = {"earlier": {os.path.basename(p): _committed(p) for p in earlier}}
         if state.global_step == self.stop_at:
@@ -140,7 +138,7 @@ class Probe(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         self.seen[state.global_step].update(
-            save_s=time.perf_counter() - self.save_started, latest_after_save=os.path.exists(os.path.join(folder, "latest")),
+            latest_after_save=os.path.exists(os.path.join(folder, "latest")),
             trainer_state_after_save=os.path.isfile(os.path.join(folder, "trainer_state.json")))
 
 

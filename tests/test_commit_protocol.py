@@ -687,9 +687,8 @@ def test_a_rank_whose_write_fails_fails_the_tag_on_every_rank_without_waiting(tm
         if rank == 1 and name == "open_write":
             raise OSError(28, "No space left on device (injected)")
         return 0.0
-    started = time.monotonic()
-    handles, errors = _thread_save(str(tmp_path), 3, timeout_s=60, delay=fail)
-    assert time.monotonic() - started < 30
+    # a timeout no test waits out: a rank that waited for it would outlast _thread_save's joins
+    handles, errors = _thread_save(str(tmp_path), 3, timeout_s=3600, delay=fail)
     assert sorted(errors) == [0, 1, 2] and all("rank 1" in str(e) and "No space left" in str(e) for e in errors.values())
     assert not os.path.exists(tmp_path / "t" / MANIFEST) and _files(tmp_path) == []
 
@@ -697,9 +696,7 @@ def test_a_rank_whose_write_fails_fails_the_tag_on_every_rank_without_waiting(tm
 def test_when_the_jobs_store_is_gone_the_save_fails_clearly_instead_of_hanging(tmp_path):
     server, stores = tcp_stores(2)
     del server  # the job is being torn down: its store stops answering
-    started = time.monotonic()
-    handles, errors = _thread_save(str(tmp_path), 2, timeout_s=5, stores=stores)
-    assert time.monotonic() - started < 60
+    handles, errors = _thread_save(str(tmp_path), 2, timeout_s=5, stores=stores)  # a hang outlasts its joins
     assert sorted(errors) == [0, 1] and all("c10d store" in str(e) for e in errors.values())
     assert not os.path.exists(tmp_path / "t" / MANIFEST)
 

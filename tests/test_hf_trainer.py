@@ -41,7 +41,6 @@ def test_trainer_save_returns_before_the_commit(runs):
     first = runs["interrupted"][0]["seen"][hf_tasks.SAVE_STEPS]
     assert first["trainer_state_after_save"]  # Trainer's own files are written in the save itself
     assert not first["latest_after_save"]  # the DeepSpeed part still commits in the background
-    assert first["save_s"] < hf_tasks.COMMIT_DELAY_S
 
 
 def test_each_checkpoint_is_saved_once_through_async_ckpt(runs):
