@@ -191,8 +191,20 @@ def test_wait_all_refuses_a_timeout_that_is_not_a_number_of_seconds(timeout):
         async_ckpt.wait_all(timeout=timeout)
 
 
-def test_an_infinite_wait_timeout_means_no_limit():
-    async_ckpt.wait_all(timeout=float("inf"))  # no checkpointer is open in this process: returns at once
+def test_an_infinite_wait_timeout_means_no_limit(monkeypatch):
+    """wait_all hands each open checkpointer's wait() the time left: here, all of it, not none."""
+    from async_ckpt import inflight
+
+    asked = []
+
+    class Open:  # an open checkpointer, as far as wait_all reaches into it
+        def wait(self, timeout):
+            asked.append(timeout)
+
+    opened = Open()
+    monkeypatch.setattr(inflight, "_OPEN", {opened})
+    async_ckpt.wait_all(timeout=float("inf"))
+    assert asked == [float("inf")]
 
 
 @pytest.mark.parametrize("kwargs", [dict(url=""), dict(url="x", part_size=1024), dict(url="x", max_concurrency=0),

@@ -185,11 +185,10 @@ def test_dcp_time_to_durable_runs_from_the_save_call_including_its_wait_for_the_
     assert len(method.durable_s) == 2 and method.durable_s[1] > call_s / 2  # not ~0: the call waited 0.5 s
 
 
-def test_bench_explains_every_method_it_could_not_run(bench):
+def test_bench_runs_every_method_it_was_asked_for(bench):
+    """A method whose setup fails is reported skipped, with its error: here every one must run."""
     _, report = bench
-    for metrics in report["summary"]["methods"].values():
-        if "skipped" in metrics:
-            assert metrics["skipped"]
+    assert {name: m["skipped"] for name, m in report["summary"]["methods"].items() if "skipped" in m} == {}
 
 
 def test_bench_reports_floors_and_flat_staging(bench):

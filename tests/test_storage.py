@@ -134,11 +134,12 @@ def test_direct_writer_raises_the_error_of_a_background_write(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"")
     fd = os.open(path, os.O_RDONLY)  # every write fails (EBADF), in the helper thread
-    writer = DirectWriter(fd, buffer_bytes=8192)
+    writer = DirectWriter(fd, buffer_bytes=8192, alignment=4096)  # no O_DIRECT probe: a write on this fd fails
     try:
-        with pytest.raises(OSError):
+        with pytest.raises(OSError) as raised:  # at a later write, or at the latest at finish
             writer.write(b"x" * 8192 * 3)
             writer.finish()
+        assert raised.value.errno == errno.EBADF
     finally:
         writer.release()
         os.close(fd)
