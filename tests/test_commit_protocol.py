@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -234,8 +235,9 @@ def test_verify_of_the_corrupt_tag_names_the_file_and_the_parse_error(corrupt, c
     assert "a/async_ckpt_manifest.json" in out and "JSONDecodeError" in out
 
 
-def test_gc_removes_the_corrupt_tag_only_after_the_grace_period(corrupt):
-    root, _ = corrupt
+def test_gc_removes_the_corrupt_tag_only_after_the_grace_period(corrupt, tmp_path):
+    root = str(tmp_path / "ckpt")  # a copy: the module's other tests read the corrupt tag
+    shutil.copytree(corrupt[0], root)
     storage = open_storage(root)
     assert collect_garbage(storage, grace_s=3600).corrupt_tags == []
     assert collect_garbage(storage, grace_s=0).corrupt_tags == ["a"]
