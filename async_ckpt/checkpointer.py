@@ -262,6 +262,7 @@ class AsyncCheckpointer:
         most ``timeout`` seconds (default ``wait_timeout_s``), then raises :class:`WaitTimeoutError`.
         """
         self._ensure_open()
+        inflight.refuse_waiting_here("wait()")
         timeout = timeout_argument("wait(timeout=...)", timeout)
         if timeout is None:
             self._await_handles(self.config.effective_wait_timeout_s)
@@ -390,11 +391,10 @@ class AsyncCheckpointer:
         return found[0]
 
     def _deepspeed_load(self, load_dir: str, manifest: Manifest, source: str, **options: bool) -> tuple[str, dict]:
-        load = type(self.engine).load_checkpoint
-        load = getattr(load, "__wrapped__", load)  # not inflight's hook: it would wait for drains still running
         with self._named_by_latest(load_dir, manifest.tag,
-                                   self._weights_from_every_shard(options.get("load_optimizer_states", True))) as root:
-            path, client_state = load(self.engine, root, manifest.tag, **options)
+                                   self._weights_from_every_shard(options.get("load_optimizer_states", True))) as root, \
+                inflight.not_waiting("inside async_ckpt's own load()"):  # DeepSpeed's readers, hooked, wait for none
+            path, client_state = type(self.engine).load_checkpoint(self.engine, root, manifest.tag, **options)
         if path is None:
             raise CheckpointNotFoundError(f"DeepSpeed found no checkpoint files for tag {manifest.tag!r} in {load_dir}")
         logger.info("rank %d resumed from %s/%s (step %d)", self.rank, source, manifest.tag, manifest.step)

@@ -30,6 +30,7 @@ from async_ckpt.catalog import read_manifest
 from async_ckpt.errors import SaveFailedError
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Handshake, Outcome, brief
+from async_ckpt.inflight import IN_ON_SAVE_DONE, not_waiting
 from async_ckpt.job import SaveJob
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.serialization import copy_local_file
@@ -231,7 +232,8 @@ class Drainer:
                     self._pending.pop(job.drain_id, None)
             if self._on_done is not None:
                 try:
-                    self._on_done(job.handle)
+                    with not_waiting(IN_ON_SAVE_DONE):
+                        self._on_done(job.handle)
                 except BaseException:  # noqa: BLE001 - a callback must never stop the drainer
                     logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
         self._store = None  # its client holds a socket; a drain submitted from now on fails before using it

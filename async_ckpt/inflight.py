@@ -29,6 +29,12 @@ also makes two ends of a rank wait for its saves in flight:
   A forked child (a DataLoader worker) forgets its parent's checkpointers: their writer threads
   are not in it, and its exit must not wait for them.
 
+The readers' hooks do not wait, and :func:`wait_all` refuses, on a thread inside :func:`not_waiting`:
+async_ckpt's own ``load()`` (it settled the saves it reads first; a tiered load leaves drains running,
+which a ZeRO-3 load without optimizer states, reading through ``zero_to_fp32``, would wait out), and an
+``on_save_done`` callback, which runs on the writer or drainer thread: the saves a wait there would
+wait for are written by that very thread once the callback returns.
+
 What still loses a save in flight: ``os._exit``, a signal that kills the process (SIGKILL, an
 unhandled SIGTERM), and a wait that times out.
 """
@@ -36,6 +42,7 @@ unhandled SIGTERM), and a wait that times out.
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 (registers its exit hook before ours: see the docstring)
+import contextlib
 import functools
 import logging
 import os
@@ -44,12 +51,12 @@ import threading
 import time
 import types
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch.distributed as dist
 
 from async_ckpt.config import timeout_argument
-from async_ckpt.errors import WaitTimeoutError
+from async_ckpt.errors import UsageError, WaitTimeoutError
 
 if TYPE_CHECKING:
     from async_ckpt.checkpointer import AsyncCheckpointer
@@ -58,6 +65,9 @@ logger = logging.getLogger("async_ckpt")
 
 _OPEN: "weakref.WeakSet[AsyncCheckpointer]" = weakref.WeakSet()
 _LOCK = threading.Lock()
+_HERE = threading.local()  # .why: where this thread is, when it must not wait for saves (see not_waiting)
+#: Where an ``on_save_done`` callback runs (its :func:`not_waiting`).
+IN_ON_SAVE_DONE = "in an on_save_done callback, which runs on async_ckpt's writer or drainer thread"
 _HOOKED = False
 
 
@@ -80,6 +90,27 @@ def unregister(checkpointer: "AsyncCheckpointer") -> None:
         _OPEN.discard(checkpointer)
 
 
+@contextlib.contextmanager
+def not_waiting(why: str) -> Iterator[None]:
+    """Inside the block, on this thread, the hooked readers read without waiting for saves, and
+    :func:`wait_all` and ``wait()`` raise :class:`~async_ckpt.UsageError` saying ``why`` (where the
+    thread is): see the module docstring."""
+    outer = getattr(_HERE, "why", None)
+    _HERE.why = why
+    try:
+        yield
+    finally:
+        _HERE.why = outer
+
+
+def refuse_waiting_here(call: str) -> None:
+    """:class:`~async_ckpt.UsageError` where this thread is inside :func:`not_waiting`."""
+    why = getattr(_HERE, "why", None)
+    if why is not None:
+        raise UsageError(f"{call} was called {why}: it would wait for saves this thread has yet to write. Wait "
+                         "from the training loop instead")
+
+
 def wait_all(timeout: float | None = None) -> None:
     """Block until every save of every open checkpointer in this process is committed or failed.
 
@@ -87,6 +118,7 @@ def wait_all(timeout: float | None = None) -> None:
     logged otherwise), together at most ``timeout`` seconds (default: each one's
     ``wait_timeout_s``), then :class:`~async_ckpt.WaitTimeoutError` names the rank and the tag.
     """
+    refuse_waiting_here("wait_all()")
     timeout = timeout_argument("wait_all(timeout=...)", timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     with _LOCK:
@@ -133,7 +165,7 @@ def _waiting_first(fn: Callable[..., Any], only_if: Callable[..., bool] | None =
     the group's store to commit, which the exit's own wait then gives it."""
     @functools.wraps(fn)
     def hooked(*args: Any, **kwargs: Any) -> Any:
-        if only_if is None or only_if(*args, **kwargs):
+        if getattr(_HERE, "why", None) is None and (only_if is None or only_if(*args, **kwargs)):
             try:
                 wait_all()
             except Exception as exc:

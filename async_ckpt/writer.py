@@ -22,6 +22,7 @@ from async_ckpt.consolidated import write_weights
 from async_ckpt.errors import SaveFailedError
 from async_ckpt.handle import SaveHandle, SaveResult
 from async_ckpt.handshake import Outcome, brief
+from async_ckpt.inflight import IN_ON_SAVE_DONE, not_waiting
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import MARKER_DIR
 from async_ckpt.manifest import FileEntry
@@ -116,7 +117,8 @@ class BackgroundWriter:
                 self._failed_outside_write(job, exc)
             if self._on_done is not None and job.handle.done() and job.abandoned is None:  # else save() raised
                 try:
-                    self._on_done(job.handle)
+                    with not_waiting(IN_ON_SAVE_DONE):
+                        self._on_done(job.handle)
                 except BaseException:  # noqa: BLE001 - a callback must never stop the writer thread
                     logger.exception("on_save_done callback raised for tag %s (ignored)", job.tag)
 

@@ -903,6 +903,45 @@ def save_done_callback(root: str) -> dict:
     return {"seen": seen, "committed_despite_raising_callback": committed}
 
 
+def waits_inside_a_zero3_load_without_optimizer_states(root: str) -> dict:
+    """How often DeepSpeed's hooked readers waited for saves inside ckpt.load(): DeepSpeed reads a ZeRO-3
+    checkpoint without optimizer states through zero_to_fp32, whose hook would wait for drains going on."""
+    from async_ckpt import inflight
+
+    engine = workload.make_engine(3, "fp32")
+    workload.train(engine, 1, _tokens(), _rank())
+    waits = []
+    with async_ckpt.wrap(engine, root) as ckpt:
+        ckpt.save(tag="a").result(timeout=120)
+        original, inflight.wait_all = inflight.wait_all, lambda *a, **k: waits.append(a)
+        try:
+            loaded, _ = ckpt.load(tag="a", load_optimizer_states=False)
+        finally:
+            inflight.wait_all = original
+    return {"loaded": loaded, "waits": len(waits)}
+
+
+def waits_in_a_save_done_callback(root: str) -> dict:
+    """What a callback that waits for saves, or reads the checkpoint, gets on the writer thread."""
+    from deepspeed.utils import zero_to_fp32
+
+    seen: dict = {}
+
+    def callback(handle) -> None:
+        for name, wait in (("wait_all", async_ckpt.wait_all), ("wait", lambda: ckpt.wait())):
+            try:
+                wait()
+                seen[name] = None
+            except Exception as exc:
+                seen[name] = (type(exc).__name__, str(exc))
+        seen["read"] = len(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(root, tag=handle.tag))
+
+    engine = workload.make_engine(2, "fp32")
+    with async_ckpt.wrap(engine, root, on_save_done=callback) as ckpt:
+        ckpt.save(tag="a").result(timeout=120)
+    return seen
+
+
 def save_to_slow_storage(root: str) -> dict:
     """Every data write is slow: training steps run on while the save persists, and it still commits."""
     from faulty_fs import register

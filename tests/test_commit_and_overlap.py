@@ -87,6 +87,25 @@ def test_on_save_done_callback_gets_every_finished_save_and_cannot_break_saving(
         assert rank_out["committed_despite_raising_callback"] == "two"
 
 
+def test_a_zero3_load_without_optimizer_states_does_not_wait_for_saves_inside_deepspeeds_reader(ranks, tmp_path):
+    """It reads through zero_to_fp32, hooked to wait for saves: with a local tier, drains would hold it."""
+    for rank_out in ranks.run(rank_tasks.waits_inside_a_zero3_load_without_optimizer_states, str(tmp_path)):
+        assert rank_out == {"loaded": "a", "waits": 0}
+
+
+def test_waiting_for_saves_in_a_save_done_callback_is_refused_saying_where_it_runs(ranks, tmp_path):
+    """The callback runs on the thread that writes the saves it would wait for."""
+    for rank_out in ranks.run(rank_tasks.waits_in_a_save_done_callback, str(tmp_path)):
+        for call in ("wait_all", "wait"):
+            kind, message = rank_out[call]
+            assert kind == "UsageError" and f"{call}() was called in an on_save_done callback" in message
+
+
+def test_a_save_done_callback_reads_the_committed_checkpoint_through_deepspeeds_hooked_reader(ranks, tmp_path):
+    for rank_out in ranks.run(rank_tasks.waits_in_a_save_done_callback, str(tmp_path)):
+        assert rank_out["read"] > 0
+
+
 def test_durable_time_counts_from_the_save_call_through_the_stall_the_write_and_the_commit(ranks, tmp_path):
     for rank_out in ranks.run(rank_tasks.save_done_callback, str(tmp_path)):
         metrics = rank_out["seen"][0]["metrics"]
