@@ -115,6 +115,14 @@ def _remove_folder(path: str, owner_pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _steps_in_backward(engine: Any) -> bool:
+    """Whether the engine updates its optimizer state before ``engine.step()``: SuperOffload's ZeRO-3 runs
+    the CPU optimizer's step on each partition as backward finishes its gradients (without gradient
+    clipping), so a copy of the optimizer state overlapping the next backward would read it mid-update."""
+    super_offload = getattr(engine, "super_offload", None)
+    return bool(super_offload()) if callable(super_offload) else False
+
+
 def _normalize(url: str) -> str:
     """One spelling per root: ``file:///ckpt``, ``/ckpt/`` and ``ckpt`` (run from ``/``) are one folder, whose
     saves must share one storage (and its lock on ``latest``)."""
@@ -230,6 +238,10 @@ class AsyncCheckpointer:
                                         cache_dir=config.cache_dir, on_done=config.on_save_done,
                                         on_local_commit=self._drain_later if self._drainer else None)
         self.synchronous = self._writes_synchronously(on_cpu)
+        self._overlap_copy = config.overlap_copy and not _steps_in_backward(engine)
+        if config.overlap_copy and not self._overlap_copy and self.rank == 0:
+            logger.warning("overlap_copy is off for this engine: SuperOffload updates the optimizer state during "
+                           "backward, so every save copies it before save() returns")
         stages = any(tier is not None and tier.aligned_lending for tier in (self.storage, self._local))
         if not on_cpu or not self.synchronous or stages:
             # saves that stage (device tensors always; host tensors unless a synchronous save writes them in
@@ -1102,7 +1114,7 @@ class AsyncCheckpointer:
                                   session.base or self._shadow).replace(os.sep, "/")
         name = relpath.rsplit("/", 1)[-1]
         slot_key = relpath.split("/", 1)[-1]  # the path in the tag: the same from save to save, one per file
-        defer = self.config.overlap_copy and name.endswith("_optim_states.pt")
+        defer = self._overlap_copy and name.endswith("_optim_states.pt")
         compact = isinstance(state_dict, CloneRequest)
         started = time.perf_counter()
         write_in_place = self.synchronous and not compact and not session.storage.aligned_lending

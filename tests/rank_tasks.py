@@ -171,14 +171,43 @@ def commit_waits_for_every_rank(root: str, gate: str) -> dict:
     return seen
 
 
-def snapshot_ignores_later_mutation(root: str, overlap: bool) -> dict:
-    """Mutate the live state right after save(); the checkpoint must hold the values at save time."""
+@contextlib.contextmanager
+def _copies_held_back(seconds: float) -> Iterator[None]:
+    """Every host copy of the staging layer starts ``seconds`` late (the copies ``save()`` queues for its
+    helper thread too, which then run after the block)."""
+    from async_ckpt import staging
+
+    originals = {name: getattr(staging, name) for name in ("_copy_and_checksum", "_copy_all")}
+
+    def late(copy):
+        def copy_late(*args):
+            time.sleep(seconds)
+            return copy(*args)
+        return copy_late
+
+    for name, copy in originals.items():
+        setattr(staging, name, late(copy))
+    try:
+        yield
+    finally:
+        for name, copy in originals.items():
+            setattr(staging, name, copy)
+
+
+def snapshot_ignores_later_mutation(root: str, mode: str) -> dict:
+    """Mutate the live state right after save(); the checkpoint must hold the values at save time.
+    ``mode``: "mutate-by-hand" (overlap_copy=False), "overlapped-copy-then-step" (the default), or
+    "steps-in-backward" (the default, on an engine that says, as SuperOffload's does, that it updates
+    the optimizer state during backward: here by hand, before any optimizer step)."""
     engine = workload.make_engine(2, "fp32")
     workload.train(engine, 2, _tokens(), _rank())
     type(engine).save_checkpoint(engine, f"{root}/reference")
-    ckpt = async_ckpt.wrap(engine, f"{root}/async", overlap_copy=overlap)
-    handle = ckpt.save()
-    if overlap:  # the optimizer step is what may change state; it must wait for the copy
+    if mode == "steps-in-backward":
+        engine.super_offload = lambda: True
+    ckpt = async_ckpt.wrap(engine, f"{root}/async", overlap_copy=mode != "mutate-by-hand")
+    with _copies_held_back(1.0 if mode == "steps-in-backward" else 0.0):  # a copy overlapping would lose the race
+        handle = ckpt.save()
+    if mode == "overlapped-copy-then-step":  # the optimizer step is what may change state; it must wait for the copy
         workload.train(engine, 1, _tokens(), _rank())
     else:
         with torch.no_grad():
