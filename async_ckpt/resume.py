@@ -8,6 +8,7 @@ skipped when a verified copy is already cached.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import logging
 import os
@@ -122,13 +123,19 @@ def check_for_rank(storage: Storage, manifest: Manifest, dp_rank: int | None, mp
 
 
 def check_no_other_save(root: str, manifest: Manifest, dp_rank: int | None) -> None:
-    """Where a load reads every rank's shards (``dp_rank`` None: ``elastic_checkpoint``, a ZeRO-3 load
-    without optimizer states), the tag folder read in place must hold no DeepSpeed shard its manifest does
-    not list (of an earlier save of the tag, in another layout): DeepSpeed globs the folder for them and
-    would read it with this save's. A load of this rank's own shards reads them by name, and goes on."""
-    if dp_rank is not None or manifest.universal:
+    """The tag folder read in place must hold no DeepSpeed file its manifest does not list (of an earlier
+    save of the tag, in another layout) that this load globs for, and would read with this save's: the
+    model-states files (``mp_rank_*_model_states.pt``, under ZeRO-3 this rank's of every model-parallel
+    rank, on every load), and where a load reads every rank's
+    shards (``dp_rank`` None: ``elastic_checkpoint``, a ZeRO-3 load without optimizer states) every shard.
+    A load of this rank's own optimizer shard reads it by name."""
+    if manifest.universal:
         return
     others = files_of_another_save(os.path.join(root, manifest.tag), [f.path for f in manifest.files])
+    if dp_rank is not None:  # the glob of DeepSpeed's _get_all_ckpt_names (its _get_ckpt_name, any mp rank)
+        globbed = (f"zero_pp_rank_{dp_rank}_mp_rank_*_model_states.pt" if manifest.zero_stage == 3
+                   else "mp_rank_*_model_states.pt")
+        others = [p for p in others if "/" not in p and fnmatch.fnmatch(p, globbed)]
     if others:
         raise VerificationError(f"{root}/{manifest.tag} holds DeepSpeed shards its manifest does not list "
                                 f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): another save's, which "

@@ -632,6 +632,18 @@ def test_a_tag_folder_read_in_place_with_shards_of_another_save(zero3, ranks, tm
             assert kind == "VerificationError" and "zero_pp_rank_7_mp_rank_00_optim_states.pt" in message
 
 
+def test_a_load_of_a_tag_folder_holding_a_model_states_file_it_does_not_list_is_refused_naming_it(zero3, ranks,
+                                                                                                 tmp_path):
+    """DeepSpeed globs mp_rank_*_model_states.pt on every load, one of its own optimizer shard included."""
+    tag = zero3["tag"]
+    shutil.copytree(zero3["local"] / tag, tmp_path / "root" / tag)
+    folder = tmp_path / "root" / tag  # ZeRO-3: each rank globs zero_pp_rank_<its rank>_mp_rank_*_model_states.pt
+    shutil.copy(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt", folder / "zero_pp_rank_0_mp_rank_01_model_states.pt")
+    rank0, rank1 = ranks.run(interop_tasks.load_tag, str(tmp_path / "root"), tag, True)
+    assert rank0["load"][0] == "VerificationError" and "zero_pp_rank_0_mp_rank_01_model_states.pt" in rank0["load"][1]
+    assert rank1["load"] is not None  # refused on every rank
+
+
 # ---- universal --------------------------------------------------------------------------------
 
 def test_to_universal_commits_a_manifest_and_latest_universal(converted, s3):
