@@ -87,7 +87,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from async_ckpt.errors import CorruptManifestError, UnsupportedManifestError
     from async_ckpt.resume import resolve
-    from async_ckpt.verify import on_other_nodes, verify_tag
+    from async_ckpt.verify import on_other_nodes, unlisted_shards, verify_tag
 
     storage = _storage(args)
     try:
@@ -98,15 +98,18 @@ def _verify(args: argparse.Namespace) -> int:
               f"{'BAD' if corrupt else 'UNSUPPORTED'}  {exc}")
         return EXIT_FAILED if corrupt else EXIT_BAD_INPUT
     checks = on_other_nodes(manifest, verify_tag(storage, manifest))
+    unlisted = unlisted_shards(storage, manifest)
     bad = [c for c in checks if not c.ok and not c.elsewhere]
     elsewhere = [c for c in checks if c.elsewhere]
     lines = [(f"--   {c.path}  (another node's: not in this node folder)" if c.elsewhere else
-              f"{'ok' if c.ok else 'BAD':<4} {c.path}" + (f"  ({c.problem})" if c.problem else "")) for c in checks]
+              f"{'ok' if c.ok else 'BAD':<4} {c.path}" + (f"  ({c.problem})" if c.problem else ""))
+             for c in checks + unlisted]
     lines.append(f"{manifest.tag}: {len(checks) - len(bad) - len(elsewhere)}/{len(checks) - len(elsewhere)} files "
-                 "match the manifest" + (f"; {len(elsewhere)} are other nodes'" if elsewhere else ""))
-    _emit(args, {"url": storage.url, "tag": manifest.tag, "ok": not bad, "files": [asdict(c) for c in checks]},
-          "\n".join(lines))
-    return EXIT_FAILED if bad else EXIT_OK
+                 "match the manifest" + (f"; {len(elsewhere)} are other nodes'" if elsewhere else "")
+                 + (f"; {len(unlisted)} shard(s) in its folder it does not list" if unlisted else ""))
+    _emit(args, {"url": storage.url, "tag": manifest.tag, "ok": not bad and not unlisted,
+                 "files": [asdict(c) for c in checks], "unlisted": [asdict(c) for c in unlisted]}, "\n".join(lines))
+    return EXIT_FAILED if bad or unlisted else EXIT_OK
 
 
 def _gc(args: argparse.Namespace) -> int:

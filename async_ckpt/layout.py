@@ -25,6 +25,11 @@ _RANK_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_")
 _MP_RANK_RE = re.compile(r"mp_rank_(\d+)_")
 
 
+def is_deepspeed_shard(path: str) -> bool:
+    """Whether a file's name is one DeepSpeed's loaders and tools glob a tag folder for."""
+    return path.endswith(("_model_states.pt", "_optim_states.pt"))
+
+
 def validate_tag(tag: object) -> str:
     """Return ``tag`` as a string, or raise if it is not a safe single folder name.
 

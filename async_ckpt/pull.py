@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from async_ckpt.errors import (CorruptManifestError, MissingFileError, StorageError, UnsupportedManifestError,
                                UsageError, VerificationError)
 from async_ckpt.layout import (LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank,
-                               installed_recovery_scripts, manifest_path, model_parallel_size)
+                               installed_recovery_scripts, is_deepspeed_shard, manifest_path, model_parallel_size)
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.storage.base import Progress, Storage
 from async_ckpt.storage.local import LocalStorage, file_lock, fsync_path, make_folders
@@ -311,7 +311,7 @@ def files_of_another_save(tag_dir: str, paths: list[str]) -> list[str]:
         for name in names:
             path = os.path.relpath(os.path.join(folder, name), tag_dir).replace(os.sep, "/")
             shard = path.removesuffix(".partial")
-            if shard not in listed and shard.endswith(("_model_states.pt", "_optim_states.pt")):
+            if shard not in listed and is_deepspeed_shard(shard):
                 found.append(path)
     return sorted(found)
 

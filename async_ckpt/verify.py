@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from async_ckpt.layout import is_deepspeed_shard
 from async_ckpt.manifest import FileEntry, Manifest
 from async_ckpt.serialization import crc32_of_stream
 from async_ckpt.storage.base import Storage
@@ -70,6 +71,17 @@ def verify_tag(storage: Storage, manifest: Manifest, paths: list[str] | None = N
     """Check every file of the tag (or just ``paths``)."""
     wanted = set(paths) if paths is not None else None
     return [check_stored_file(storage, manifest.tag, e) for e in manifest.files if wanted is None or e.path in wanted]
+
+
+def unlisted_shards(storage: Storage, manifest: Manifest) -> list[FileCheck]:
+    """DeepSpeed shards in the tag's folder that its manifest does not list (another save's: a killed save
+    of the tag in another layout, an ``overwrite_tags`` save over a larger one): the files all match, yet
+    DeepSpeed's loaders and tools glob the folder and would read these with the save's own."""
+    listed = {entry.path for entry in manifest.files}
+    found = (path.removeprefix(f"{manifest.tag}/") for path in storage.iter_files(manifest.tag))
+    return [FileCheck(path, False, "not in the manifest: another save's shard, which DeepSpeed's tools would read "
+                                   "with this save's files")
+            for path in sorted(found) if path not in listed and is_deepspeed_shard(path)]
 
 
 def on_other_nodes(manifest: Manifest, checks: list[FileCheck]) -> list[FileCheck]:

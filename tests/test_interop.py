@@ -632,6 +632,17 @@ def test_a_tag_folder_read_in_place_with_shards_of_another_save(zero3, ranks, tm
             assert kind == "VerificationError" and "zero_pp_rank_7_mp_rank_00_optim_states.pt" in message
 
 
+def test_verify_fails_on_a_shard_in_the_tag_folder_its_manifest_does_not_list(zero3, capsys, tmp_path):
+    """The listed files all match, yet DeepSpeed's tools would read the other one with them."""
+    tag = zero3["tag"]
+    shutil.copytree(zero3["local"] / tag, tmp_path / tag)
+    (tmp_path / tag / "zero_pp_rank_7_mp_rank_00_optim_states.pt").write_bytes(b"an older save's shard")
+    code, out, _ = run_cli(capsys, "verify", str(tmp_path), "--tag", tag, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False and all(f["ok"] for f in report["files"])
+    assert [f["path"] for f in report["unlisted"]] == ["zero_pp_rank_7_mp_rank_00_optim_states.pt"]
+
+
 def test_a_load_of_a_tag_folder_holding_a_model_states_file_it_does_not_list_is_refused_naming_it(zero3, ranks,
                                                                                                  tmp_path):
     """DeepSpeed globs mp_rank_*_model_states.pt on every load, one of its own optimizer shard included."""
