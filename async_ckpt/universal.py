@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from async_ckpt.catalog import holds_files, read_manifest, started_here
-from async_ckpt.commit import mark_started, remove_bookkeeping
+from async_ckpt.commit import delete_tag, mark_started, remove_bookkeeping
 from async_ckpt.errors import ConversionError, TagExistsError, UsageError
 from async_ckpt.layout import LATEST_UNIVERSAL, MANIFEST, manifest_path, validate_tag
 from async_ckpt.manifest import FileEntry, Manifest
@@ -64,6 +64,11 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
         out_dir = os.path.join(scratch, "out", out_tag)
         _run_ds_to_universal(os.path.join(root, manifest.tag), out_dir, workers,
                              f"tag {manifest.tag!r} of {source.url}")
+        if holds_files(dest, out_tag):  # a conversion into it that did not commit: its files of another layout
+            # (another model-parallel size's mp_rank_* files, say) would stay beside these, and DeepSpeed globs them
+            logger.warning("tag %s at %s holds the files of a conversion into it that did not commit: removed "
+                           "before this one's are written", out_tag, dest.url)
+            delete_tag(dest, out_tag)
         save_id = uuid.uuid4().hex
         mark_started(dest, out_tag, 0, save_id)  # a push cut short is then gc's to remove
         entries = _push(dest, out_tag, out_dir, os.path.join(root, manifest.tag), manifest)

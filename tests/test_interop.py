@@ -705,6 +705,19 @@ def test_to_universal_works_local_to_local(zero3, capsys, tmp_path):
     assert not (tmp_path / report["tag"] / ".async_ckpt").exists()  # its start mark went with the commit
 
 
+def test_to_universal_into_the_folder_of_a_conversion_that_did_not_commit_removes_that_ones_files_first(
+        zero3, capsys, tmp_path):
+    """A killed conversion of another layout left a file this one does not write, which DeepSpeed would glob."""
+    from async_ckpt.commit import mark_started
+
+    tag = f"{zero3['tag']}_universal"
+    mark_started(open_storage(str(tmp_path)), tag, 0, "killed-conversion")
+    (tmp_path / tag / "mp_rank_01_model_states.pt").write_bytes(b"of a conversion that did not commit")
+    assert run_cli(capsys, "to-universal", str(zero3["local"]), "--out", str(tmp_path), "--json")[0] == 0
+    assert not (tmp_path / tag / "mp_rank_01_model_states.pt").exists()
+    assert run_cli(capsys, "verify", str(tmp_path), "--tag", tag)[0] == 0
+
+
 def test_to_universal_refuses_an_output_folder_it_did_not_write(zero3, capsys, tmp_path):
     """A conversion DeepSpeed's own ds_to_universal wrote there, say: a push would mix into it."""
     theirs = tmp_path / f"{zero3['tag']}_universal" / "zero"
