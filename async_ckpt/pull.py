@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from async_ckpt.catalog import list_tags
 from async_ckpt.errors import (CorruptManifestError, MissingFileError, StorageError, UnsupportedManifestError,
                                UsageError, VerificationError)
 from async_ckpt.layout import (LATEST, LATEST_UNIVERSAL, MANIFEST, RECOVERY_SCRIPTS, files_for_rank,
@@ -211,10 +212,24 @@ def pull(storage: Storage, manifest: Manifest, dest: str, *, rank: int | None = 
         out.write_bytes(script, content)
         os.chmod(os.path.join(dest, script), 0o755)
     out.write_bytes(LATEST_UNIVERSAL if manifest.universal else LATEST, manifest.tag.encode())
+    _warn_of_newer_tags(out, manifest)
     logger.info("pulled %s from %s into %s: %d file(s), %.3f GB fetched, %d already there, %.2f s",
                 manifest.tag, storage.url, dest, report.files_fetched, report.bytes_fetched / 1e9,
                 report.files_skipped, report.seconds)
     return report
+
+
+def _warn_of_newer_tags(out: LocalStorage, manifest: Manifest) -> None:
+    """Stock DeepSpeed loads the tag ``latest`` names; async_ckpt's ``load()`` without a tag takes a newer
+    committed one that moved ``latest`` (see :func:`async_ckpt.resume.resolve`): say so where a pull of an
+    older tag (a rollback) leaves the two disagreeing."""
+    newer = [info.tag for info in list_tags(out) if info.committed and info.manifest.sets_latest
+             and info.manifest.universal == manifest.universal and not info.manifest.consolidated
+             and info.manifest.recency > manifest.recency]
+    if newer:
+        logger.warning("%s also holds %s, saved after %s: stock DeepSpeed loads %s ('latest' names it), but "
+                       "async_ckpt's load() without a tag takes %s. Pass tag=%r to load(), or pull into another "
+                       "--dest", out.url, ", ".join(newer), manifest.tag, manifest.tag, newer[-1], manifest.tag)
 
 
 def local_view(storage: Storage, manifest: Manifest, scratch: str, *, show_progress: bool = True) -> str:

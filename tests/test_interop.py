@@ -374,6 +374,20 @@ def test_pull_and_export_into_a_home_relative_folder_write_under_home(zero3, cap
     assert not (tmp_path / "~").exists()
 
 
+def test_a_pull_of_an_older_tag_beside_a_newer_one_warns_that_load_takes_the_newer(zero3, tmp_path, caplog):
+    """'latest' names the tag pulled last, which stock DeepSpeed loads; async_ckpt's load() takes the newest."""
+    tag, dest = zero3["tag"], _pulled(zero3, tmp_path / "dest")
+    shutil.copytree(zero3["local"] / tag, tmp_path / "root" / "older")
+    stored = json.loads((tmp_path / "root" / "older" / MANIFEST).read_text())
+    (tmp_path / "root" / "older" / MANIFEST).write_text(json.dumps(
+        {**stored, "tag": "older", "save_id": "older-save", "created_unix": stored["created_unix"] - 60}))
+    with caplog.at_level("WARNING", logger="async_ckpt"):
+        pull(open_storage(str(tmp_path / "root")), resolve(open_storage(str(tmp_path / "root")), "older"), str(dest),
+             show_progress=False)
+    assert (dest / "latest").read_text() == "older" and resolve(open_storage(str(dest)), None).tag == tag
+    assert any(f"async_ckpt's load() without a tag takes {tag}" in r.getMessage() for r in caplog.records)
+
+
 def test_a_pull_cut_short_into_a_stock_root_of_the_tag_leaves_latest_naming_nothing(zero3, capsys, tmp_path):
     """The dest is a stock DeepSpeed root holding the tag (its files and 'latest', no manifest); the pull
     of another save of the tag fails half way."""
