@@ -151,6 +151,11 @@ class AsyncCheckpointCallback(TrainerCallback):
                 + (f"move {', '.join(cut_short)} away: no latest naming a tag async_ckpt committed, or no "
                    "trainer_state.json (a crash cut the save short, or another tool saved it), so "
                    "last_committed_checkpoint does not resume from there" if cut_short else ""))
+        if args.should_save:  # what else lies beyond this run's step: a save cut short (a crash, on_error="raise"),
+            # which Trainer's rotation would count among the newest and keep, deleting committed checkpoints instead
+            for step, folder in _checkpoint_folders(args.output_dir):
+                if step > state.global_step:
+                    _set_aside(folder, "holds no committed checkpoint (a crash or an error cut its save short)")
         self.close()  # a previous train() that raised left its checkpointer open
         self.checkpointer = wrap(engine, args.output_dir, **self._options)
         self._async_save = engine.save_checkpoint
@@ -230,20 +235,8 @@ class AsyncCheckpointCallback(TrainerCallback):
                     state.best_global_step = None
                 logger.warning("the save into %s, Trainer's best checkpoint so far, failed: Trainer picks its best "
                                "checkpoint anew from the next evaluation on", folder)
-            if not self._trainer.args.should_save or not os.path.isdir(folder):
-                continue
-            aside = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}")
-            n = 1
-            while os.path.exists(aside):
-                aside, n = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}-{n}"), n + 1
-            try:
-                os.rename(folder, aside)
-            except OSError as exc:
-                logger.error("the save into %s failed and the folder could not be set aside (%s): Trainer's rotation "
-                             "counts it as a checkpoint; move it away by hand", folder, exc)
-                continue
-            logger.warning("the save into %s failed; the folder is now %s, so that Trainer's rotation "
-                           "(save_total_limit) keeps committed checkpoints instead of it", folder, aside)
+            if self._trainer.args.should_save and os.path.isdir(folder):
+                _set_aside(folder, "holds the save that failed")
 
     def _save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None,
                          save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -293,6 +286,23 @@ def last_committed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
         if _resumable(folder):
             return folder
     return None
+
+
+def _set_aside(folder: str, why: str) -> None:
+    """Rename ``checkpoint-N`` to ``_failed-checkpoint-N`` (``-1``, ``-2``... where taken), out of reach of
+    Trainer's rotation, of ``resume_from_checkpoint=True`` and of hub uploads; an error is logged."""
+    aside = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}")
+    n = 1
+    while os.path.exists(aside):
+        aside, n = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}-{n}"), n + 1
+    try:
+        os.rename(folder, aside)
+    except OSError as exc:
+        logger.error("%s %s and could not be set aside (%s): Trainer's rotation counts it as a checkpoint; move it "
+                     "away by hand", folder, why, exc)
+        return
+    logger.warning("%s %s; it is now %s, so that Trainer's rotation (save_total_limit) keeps committed checkpoints "
+                   "instead of it", folder, why, aside)
 
 
 def _resumable(folder: str) -> bool:

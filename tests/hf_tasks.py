@@ -229,6 +229,14 @@ def train_resumed(output_dir: str, stage: int) -> dict:
     return {"losses": _losses(trainer), "resumed_from": resume_from, "best": trainer.state.best_model_checkpoint}
 
 
+def resume_beside_a_save_cut_short(output_dir: str, stage: int, resume_from: str) -> list[str]:
+    """A fresh Trainer resumes from ``resume_from`` and saves once more; the checkpoint folders after the run."""
+    trainer = _trainer(output_dir, stage, seed=1234)
+    hf_trainer.enable(trainer)
+    trainer.train(resume_from_checkpoint=resume_from)
+    return sorted(name for name in os.listdir(output_dir) if "checkpoint-" in name)
+
+
 def start_over(output_dir: str, stage: int) -> str | None:
     """A new run from step 0 into an output_dir holding later committed checkpoints: the error it stops with."""
     trainer = _trainer(output_dir, stage, seed=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 
 import pytest
 
@@ -19,6 +20,7 @@ import hf_tasks
 from async_ckpt import ConfigError, UsageError
 from async_ckpt.cli import main as cli_main
 from async_ckpt.hf_trainer import _saved_tag, enable, last_committed_checkpoint
+from async_ckpt.layout import MANIFEST
 
 STAGES = [2, 3]
 
@@ -151,6 +153,23 @@ def test_a_new_run_refuses_to_start_below_a_checkpoint_stock_deepspeed_saved(run
     errors = ranks.run(hf_tasks.start_over, str(tmp_path / "out"), runs["stage"])
     assert all(e is not None and "move checkpoint-99 away" in e and "stock DeepSpeed" in e for e in errors)
     assert all("resume from checkpoint" not in e for e in errors)  # not from one last_committed_checkpoint passes over
+
+
+def test_a_resumed_run_sets_aside_a_later_folder_a_crash_cut_short_so_rotation_keeps_committed_ones(runs, ranks,
+                                                                                                    tmp_path):
+    """Resumed from step 4 beside checkpoint-8, a save a crash cut short (its start mark, no manifest, no
+    latest): Trainer's rotation at the save of step 6 would keep 8 and 6 of the newest two, deleting 4."""
+    out = tmp_path / "out"
+    shutil.copytree(os.path.join(runs["out"], "checkpoint-4"), out / "checkpoint-4")
+    cut = out / "checkpoint-8"
+    shutil.copytree(out / "checkpoint-4", cut)
+    (cut / "latest").unlink()
+    (cut / "global_step4").rename(cut / "global_step8")
+    (cut / "global_step8" / MANIFEST).unlink()
+    (cut / "global_step8" / ".async_ckpt").mkdir()
+    (cut / "global_step8" / ".async_ckpt" / "started-rank0").write_text("a save of async_ckpt's")
+    folders = ranks.run(hf_tasks.resume_beside_a_save_cut_short, str(out), runs["stage"], str(out / "checkpoint-4"))
+    assert folders[0] == ["_failed-checkpoint-8", "checkpoint-4", "checkpoint-6"]
 
 
 def test_last_committed_checkpoint_skips_folders_a_crash_left_incomplete(tmp_path):
