@@ -44,7 +44,7 @@ from async_ckpt import torch_zip
 from async_ckpt.checksum import crc32, crc32_combine, crc32_in_pieces, format_crc
 from async_ckpt.manifest import FileEntry
 from async_ckpt.staging import COPY_PIECE, StagedFile
-from async_ckpt.storage.base import IO_CHUNK, LEND_MIN, Storage, buffer_address
+from async_ckpt.storage.base import IO_CHUNK, LEND_MIN, Storage, buffer_address, write_all
 from async_ckpt.torch_zip import Crc, resolve_crc
 
 #: Threads per file that checksum the large staging buffers their copies did not (:func:`~async_ckpt.checksum.crc32`
@@ -237,7 +237,7 @@ class ChecksumWriter:
                 lending.lent_bytes += view.nbytes  # type: ignore[union-attr]
                 lending.copied_bytes += getattr(self._sink, "copied_bytes", 0) - copied  # type: ignore[union-attr]
             else:
-                self._write_all(view)
+                write_all(self._sink, view)
             if expected:
                 self._unwritten.discard(self._order[self._next])
                 self._next += 1
@@ -267,12 +267,6 @@ class ChecksumWriter:
             return False
         self._lending.placements[buffer_address(view)] = self.size
         return True
-
-    def _write_all(self, view: memoryview) -> None:
-        written = 0
-        while written < view.nbytes:  # raw file objects may write short
-            n = self._sink.write(view[written:])
-            written += view.nbytes - written if n is None else n
 
     @property
     def crc(self) -> int:

@@ -6,6 +6,8 @@ import base64
 import datetime
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -36,6 +38,27 @@ def test_an_object_store_root_with_glob_characters_is_refused(url):
     """fsspec deletes and moves by glob: retention in 's3://bucket/exp[1]' would delete 'exp1/...'."""
     with pytest.raises(ConfigError, match="glob pattern"):
         open_storage(url)
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["buffered", "o_direct"])
+def test_a_small_file_a_filling_disk_cuts_short_is_an_error_not_a_short_file(tmp_path, direct_io):
+    """Past a file size limit, as on a disk that fills, one write takes what fits and says so only in its
+    count: the manifest or 'latest' must then fail, not be published cut short."""
+    script = f"""
+import errno, resource, signal
+from async_ckpt.storage import LocalStorage
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+try:
+    LocalStorage({str(tmp_path)!r}, direct_io={direct_io}).write_bytes("manifest.json", b"x" * 20000)
+except OSError as exc:
+    print("raised", errno.errorcode[exc.errno])
+else:
+    print("returned")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["raised", "EFBIG"]
+    assert not (tmp_path / "manifest.json").exists()
 
 
 def test_a_local_write_makes_the_folders_it_creates_durable_in_their_parents(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import os
 import threading
 import urllib.parse
 import uuid
-from typing import BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from async_ckpt.errors import StorageError
 
@@ -93,6 +93,15 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     written = 0
     while written < view.nbytes:
         written += os.pwrite(fd, view[written:], offset + written)
+
+
+def write_all(stream: Any, view: memoryview) -> None:
+    """``stream.write`` of all of ``view``: a raw file object writes short as ``os.write`` does (a filling
+    disk, a file size limit), and says so only in the count it returns (``None``: a stream that wrote all)."""
+    written = 0
+    while written < view.nbytes:
+        n = stream.write(view[written:])
+        written += view.nbytes - written if n is None else n
 
 
 def buffer_address(data: object) -> int:
@@ -192,7 +201,7 @@ class Storage(abc.ABC):
     def write_bytes(self, relpath: str, data: bytes) -> None:
         """Atomically publish a small file."""
         with self.open_write(relpath) as stream:
-            stream.write(data)
+            write_all(stream, memoryview(data))
 
     def open_read(self, relpath: str) -> contextlib.AbstractContextManager[BinaryIO]:
         """A readable binary stream (used to verify checksums without a download)."""
