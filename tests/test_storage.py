@@ -61,6 +61,35 @@ else:
     assert not (tmp_path / "manifest.json").exists()
 
 
+def test_a_filesystem_that_cannot_fsync_a_folder_is_written_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Some FUSE and virtual-machine shares answer a folder's fsync with EINVAL: every save failed there."""
+    import stat
+
+    fsync = os.fsync
+
+    def no_folder_fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return fsync(fd)
+
+    monkeypatch.setattr(local_storage.os, "fsync", no_folder_fsync)
+    monkeypatch.setattr(local_storage, "_warned_no_folder_fsync", set())
+    with caplog.at_level("WARNING", logger="async_ckpt"):
+        LocalStorage(str(tmp_path)).write_bytes("t/latest", b"t")
+    assert (tmp_path / "t" / "latest").read_bytes() == b"t"
+    assert "cannot fsync a folder" in caplog.text
+
+
+def test_a_file_that_cannot_take_its_name_leaves_no_partial_file(tmp_path, monkeypatch):
+    def no_room(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(local_storage.os, "replace", no_room)
+    with pytest.raises(OSError, match="No space left"):
+        LocalStorage(str(tmp_path)).write_bytes("t/manifest.json", b"{}")
+    assert os.listdir(tmp_path / "t") == []
+
+
 def test_a_local_write_makes_the_folders_it_creates_durable_in_their_parents(tmp_path, monkeypatch):
     """A tag folder's name must survive a crash as its files do: only 'latest' fsyncs the root otherwise."""
     synced = []

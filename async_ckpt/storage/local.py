@@ -20,6 +20,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import queue
 import sys
 import uuid
@@ -34,11 +35,25 @@ from async_ckpt.storage.fsspec_store import FsspecStorage
 logger = logging.getLogger("async_ckpt")
 
 
+_NO_FOLDER_FSYNC = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+_warned_no_folder_fsync: set[int] = set()  # devices already warned of
+
+
 def fsync_path(path: str) -> None:
-    """fsync a file or a folder by its path (a folder's, for the names in it to survive a crash)."""
+    """fsync a file or a folder by its path (a folder's, for the names in it to survive a crash). A
+    filesystem that cannot fsync a folder (some FUSE and virtual-machine shares, older CIFS: EINVAL or
+    EOPNOTSUPP) is warned of once and passed over, as databases do: its names are as durable as it makes them."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        status = os.fstat(fd)
+        if exc.errno not in _NO_FOLDER_FSYNC or not stat.S_ISDIR(status.st_mode):
+            raise
+        if status.st_dev not in _warned_no_folder_fsync:
+            _warned_no_folder_fsync.add(status.st_dev)
+            logger.warning("the filesystem of %s cannot fsync a folder (%s): a file's name there is as durable as "
+                           "that filesystem makes it", path, os.strerror(exc.errno))
     finally:
         os.close(fd)
 
@@ -456,6 +471,11 @@ class LocalStorage(FsspecStorage):
             if stream is not None:
                 stream.release() if direct else stream.close()
             os.close(fd)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:  # a full folder, a stale NFS handle: the whole file must not stay under its temporary name
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if self.fsync:
             fsync_path(parent)
