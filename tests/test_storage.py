@@ -167,6 +167,7 @@ def test_a_retrys_backoff_leaves_the_process_wide_random_sequence_alone():
 
 @pytest.mark.parametrize("status,code,transient", [(503, "SlowDown", True), (500, "InternalError", True),
                                                      (501, "NotImplemented", False), (505, "", False),
+                                                     (400, "BadDigest", True),
                                                      (403, "AccessDenied", False)])
 def test_a_store_answer_is_retried_only_where_another_try_can_succeed(status, code, transient):
     """501: a store that does not implement a request (checksum headers, on some S3-compatible stores)."""

@@ -14,13 +14,15 @@ T = TypeVar("T")
 
 _TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
                     "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "TooManyRequestsException",
-                    "RequestThrottled", "503", "500", "502", "504", "429"}
+                    "RequestThrottled", "503", "500", "502", "504", "429",
+                    # a body the store received damaged (its checksum does not match): sent again from the same buffer
+                    "BadDigest", "XAmzContentChecksumMismatch", "XAmzContentSHA256Mismatch"}
 _PERMANENT_5XX = {501, 505}  # Not Implemented, HTTP Version Not Supported
 
 
 def is_transient(exc: BaseException) -> bool:
-    """HTTP 5xx and 429, throttling, timeouts and dropped connections are worth another try; other 4xx
-    are not, nor 501 and 505: a store that does not implement a request (some S3-compatible stores answer
+    """HTTP 5xx and 429, throttling, timeouts, dropped connections and a body that arrived damaged are worth
+    another try; other 4xx are not, nor 501 and 505: a store that does not implement a request (some S3-compatible stores answer
     checksum headers so) answers every retry alike."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
