@@ -575,6 +575,18 @@ def test_s3_read_denied_for_a_key_is_a_permission_error_naming_it(s3, bucket):
         proxy.stop()
 
 
+def test_an_s3_folder_marker_object_is_no_child_of_its_folder(s3, bucket):
+    """The S3 console's "Create folder", Hadoop's S3A and rclone leave a zero-byte ``prefix/`` object."""
+    s3.client().put_object(Bucket=bucket, Key="run/global_step5/", Body=b"")
+    storage = open_storage(f"s3://{bucket}/run", options(s3.endpoint))
+    try:
+        storage.write_bytes("global_step5/a.bin", b"a")
+        assert storage.list_dir("global_step5") == ["a.bin"]
+        assert list(storage.iter_files("global_step5")) == ["global_step5/a.bin"]
+    finally:
+        storage.close()
+
+
 def test_s3_listing_survives_transient_server_errors(s3, bucket):
     """s3fs's own requests (listings, HEADs, deletes) retry 5xx as botocore does."""
     proxy = FaultProxy(s3.endpoint)
