@@ -575,6 +575,48 @@ def test_s3_read_denied_for_a_key_is_a_permission_error_naming_it(s3, bucket):
         proxy.stop()
 
 
+def test_a_failed_write_to_an_fsspec_store_uploads_nothing_once_its_stream_is_freed():
+    """fsspec's base discard() does nothing; a buffered file's __del__ closes it, uploading its buffer."""
+    import gc
+
+    from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+
+    from async_ckpt.storage.fsspec_store import FsspecStorage
+
+    uploaded: dict[str, bytes] = {}
+
+    class Buffered(AbstractBufferedFile):
+        def _initiate_upload(self):
+            pass
+
+        def _upload_chunk(self, final=False):
+            uploaded[self.path] = uploaded.get(self.path, b"") + self.buffer.getvalue()
+            return True
+
+    class Store(AbstractFileSystem):
+        protocol = "uploads"
+
+        def _open(self, path, mode="rb", **kwargs):
+            return Buffered(self, path, mode, **kwargs)
+
+        def makedirs(self, path, exist_ok=False):
+            pass
+
+        def rm(self, path, recursive=False, maxdepth=None):
+            uploaded.pop(path, None)
+
+    storage = FsspecStorage(Store(), "bucket/run", "uploads://bucket/run")
+    try:
+        with storage.open_write("t/x.bin") as stream:
+            stream.write(b"half of a file")
+            raise OSError("the write failed (injected)")
+    except OSError:
+        pass
+    del stream
+    gc.collect()
+    assert uploaded == {}
+
+
 def test_an_s3_folder_marker_object_is_no_child_of_its_folder(s3, bucket):
     """The S3 console's "Create folder", Hadoop's S3A and rclone leave a zero-byte ``prefix/`` object."""
     s3.client().put_object(Bucket=bucket, Key="run/global_step5/", Body=b"")

@@ -55,7 +55,13 @@ class FsspecStorage(Storage):
         except BaseException:
             discard = getattr(stream, "discard", None)
             with contextlib.suppress(Exception):
-                discard() if discard is not None else stream.close()
+                if discard is None:
+                    stream.close()
+                else:
+                    discard()
+                    # fsspec's own discard() does nothing: a buffered file still open would upload what it
+                    # holds once freed (its __del__ closes it), after the removal below
+                    stream.closed = True
             if not self.writes_in_place:
                 with contextlib.suppress(Exception):
                     self.fs.rm(target)
