@@ -236,8 +236,9 @@ def _demo(args: argparse.Namespace) -> int:
     _require_extra("example", ("transformers", "tokenizers"))
     from async_ckpt.demo import run_demo
 
-    run_demo(args.dir, steps=args.steps, save_every=args.save_every, size=args.size)
-    return EXIT_OK
+    figures = run_demo(None if args.dir is None else _local_folder(args.dir, "--dir"), steps=args.steps,
+                       save_every=args.save_every, size=args.size)
+    return EXIT_FAILED if any(save["durable_s"] is None for save in figures["train"]["saves"]) else EXIT_OK
 
 
 def _bench_modules(args: argparse.Namespace) -> tuple[str, ...]:

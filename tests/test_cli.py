@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 
 import pytest
@@ -507,6 +510,27 @@ def test_demo_refuses_a_file_as_its_folder(capsys, tmp_path):
     (tmp_path / "file").write_text("")
     code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path / "file"))
     assert code == 2 and "--dir" in err and "is a file" in err and "Traceback" not in err
+
+
+def test_demo_refuses_a_url_as_its_folder_before_its_ranks_start(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "demo", "--dir", "s3://bucket/demo")
+    assert code == 2 and "--dir s3://bucket/demo is a URL" in err and os.listdir(tmp_path) == []
+
+
+def test_the_demo_into_a_memory_folder_counts_its_synchronous_writes_as_training_stalled(capsys):
+    """wrap() writes each save while training waits where the folder is in memory (tmpfs) and training runs
+    on the CPU: the demo must not show a few milliseconds of stall beside a "background" write."""
+    if subprocess.run(["stat", "-f", "-c", "%T", "/dev/shm"], capture_output=True, text=True).stdout.strip() != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    root = tempfile.mkdtemp(prefix="async_ckpt_demo_test_", dir="/dev/shm")
+    try:
+        code, out, _ = run_cli(capsys, "demo", "--dir", root, "--steps", "2", "--save-every", "2", "--size", "tiny")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    row = next(line.split() for line in out.splitlines() if line.startswith("  global_step2 "))
+    assert code == 0 and "chose synchronous saves" in out and "write (training waits)" in out
+    assert float(row[1]) >= float(row[3])  # training stalled for at least the write
 
 
 def test_demo_refuses_a_folder_it_cannot_make_before_its_ranks_start(capsys, tmp_path):
