@@ -50,7 +50,7 @@ from async_ckpt.storage import RetryPolicy, Storage, open_storage
 from async_ckpt.tiers import (Node, TierRoom, choose_tag, committed_view, estimate_save_bytes,
                               holds_chosen_save, log_tier, node_has_room, nodes_from, ranks_sharing, tier_room,
                               undrained)
-from async_ckpt.writer import BackgroundWriter, lower_thread_priority
+from async_ckpt.writer import BackgroundWriter, lower_thread_priority, remote_scratch_dir
 
 logger = logging.getLogger("async_ckpt")
 
@@ -232,6 +232,8 @@ class AsyncCheckpointer:
     def _prepare(self, on_cpu: bool) -> None:
         """Start the writer thread, choose synchronous saves or not, and reserve the staging memory."""
         config, engine = self.config, self.engine
+        if config.exact_bytes and self.storage.local_dir() is None:
+            self._check_remote_scratch()
         self._store = job_store(self.world_size)  # the writer thread's own client of the job's c10d store
         self._writer = BackgroundWriter(self.rank, config.commit_timeout_s, self._record_failure,
                                         nice=config.writer_nice, exact_bytes=config.exact_bytes,
@@ -859,6 +861,18 @@ class AsyncCheckpointer:
         # found in the node folder, which a save to the local tier writes into, marked as ever
         unmarked = (foreign or (committed and replace_export)) and not local
         return _Agreement(save_id, local, committed, waited, unmarked=unmarked)
+
+    def _check_remote_scratch(self) -> None:
+        """``exact_bytes`` to an object store writes each file into ``cache_dir`` first: a folder there that
+        cannot be written is refused now, not by every save in the background."""
+        try:
+            scratch = remote_scratch_dir(self.config.cache_dir)
+            os.makedirs(scratch, exist_ok=True)
+            tempfile.TemporaryFile(dir=scratch).close()
+        except OSError as exc:
+            raise ConfigError(f"exact_bytes=True writes each file under cache_dir ({self.config.cache_dir}) before it "
+                              f"goes to {self.config.url}, and that folder cannot be written ({exc}): set cache_dir to "
+                              "a local folder of your own") from None
 
     def _writes_synchronously(self, on_cpu: bool) -> bool:
         """``synchronous`` as configured; where it is ``None``, on for CPU training whose URL is in memory

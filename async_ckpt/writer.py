@@ -26,6 +26,7 @@ from async_ckpt.inflight import IN_ON_SAVE_DONE, not_waiting
 from async_ckpt.job import SaveJob
 from async_ckpt.layout import MARKER_DIR
 from async_ckpt.manifest import FileEntry
+from async_ckpt.resume import owned_cache_dir
 from async_ckpt.serialization import Lending, write_torch_file
 
 logger = logging.getLogger("async_ckpt")
@@ -40,6 +41,13 @@ def _what_stays(job: SaveJob) -> str:
             "uncommitted (its files may be half overwritten): checkpoint.load() takes the newest other committed "
             f"tag. 'latest' is unchanged; if it names {job.tag!r}, DeepSpeed's own load_checkpoint would read those "
             "files.")
+
+
+def remote_scratch_dir(cache_dir: str) -> str:
+    """Where ``exact_bytes`` writes a file before it goes to an object store: under ``cache_dir``, held to
+    what resume's cache is (:func:`~async_ckpt.resume.owned_cache_dir`): a file swapped there by another
+    user would be uploaded, its checksum taken from it."""
+    return os.path.join(owned_cache_dir(cache_dir), "scratch")
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -250,7 +258,7 @@ class BackgroundWriter:
         local = job.storage.local_dir()
         if local is not None:
             return os.path.join(local, job.tag, MARKER_DIR, f"scratch-rank{job.rank}")
-        return os.path.join(self._cache_dir, "scratch")
+        return remote_scratch_dir(self._cache_dir)
 
     def _fail(self, job: SaveJob, error: SaveFailedError, written: list[FileEntry], *, cleanup: bool) -> None:
         """Resolve the handle with ``error``; remove this rank's files of the tag if no manifest can appear,

@@ -357,6 +357,8 @@ def bad_inputs(root: str, not_a_dir: str, memory_root: str | None = None) -> dic
             out[f"wrap_warnings_{case}"] = [line for line in lines if "in memory" in line]
             out[f"synchronous_{case}"] = ckpt.synchronous
     out["unwritable_destination"] = _outcome(lambda: async_ckpt.wrap(engine, f"{not_a_dir}/ckpt"))
+    out["exact_bytes_unwritable_cache_dir"] = _outcome(lambda: async_ckpt.wrap(
+        engine, f"memory://exact-rank{_rank()}", exact_bytes=True, cache_dir=not_a_dir))
     out["bad_keep_last"] = _outcome(lambda: async_ckpt.wrap(engine, root, keep_last=0))
     out["bad_on_error"] = _outcome(lambda: async_ckpt.wrap(engine, root, on_error="explode"))
     out["unknown_option"] = _outcome(lambda: async_ckpt.wrap(engine, root, overlap=True))

@@ -104,6 +104,13 @@ def test_invalid_tags_write_nothing(outcomes):
     assert [r["written_after_bad_tags"] for r in outcomes] == [False, False]
 
 
+def test_exact_bytes_to_an_object_store_with_a_cache_dir_it_cannot_write_fails_at_wrap(outcomes):
+    """Each file is written there before it goes to the store: every save would fail in the background."""
+    for rank in outcomes:
+        kind, message = rank["exact_bytes_unwritable_cache_dir"]
+        assert kind == "ConfigError" and "exact_bytes=True" in message and "plain-file" in message
+
+
 def test_unwritable_destination_fails_at_wrap(outcomes):
     kind, message = outcomes[0]["unwritable_destination"]
     assert kind == "StorageError" and "plain-file" in message
