@@ -169,6 +169,11 @@ class AsyncCheckpointCallback(TrainerCallback):
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        if control.should_training_stop and not control.should_save and not self._settled:
+            # stopped on a step that saved nothing (an early stop): Trainer may load the best checkpoint right
+            # after this epoch's end, which must not be a save still in flight, or one that failed
+            if self.checkpointer is not None:
+                self._wait_for_saves(self.checkpointer)
         self._before_trainer_saves(args, control)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:

@@ -172,14 +172,17 @@ class _SavedAgainInto(TrainerCallback):
 
 
 def train_with_failing_saves(output_dir: str, stage: int, *, also_into: str | None = None,
-                             best_model: bool = False) -> dict:
+                             best_model: bool = False, stop_at: int | None = None) -> dict:
     """Saves at steps 2, 4 and 6 with save_total_limit=2 and on_error="warn"; only the first commits.
     With ``also_into``, each save is followed by one of the same tag into that folder; with ``best_model``,
-    each is evaluated and the best loaded at the end."""
+    each is evaluated and the best loaded at the end; with ``stop_at``, training stops after that step (as
+    an early-stopping callback stops it), added after async_ckpt's callback."""
     trainer = _trainer(output_dir, stage, seed=0, best_model=best_model)
     if also_into is not None:
         trainer.add_callback(_SavedAgainInto(trainer, also_into))
     hf_trainer.enable(trainer, on_error="warn")
+    if stop_at is not None:
+        trainer.add_callback(Probe(stop_at=stop_at))
     with _commits_failing_after(1):
         trainer.train()
     return {"folders": sorted(os.listdir(output_dir)), "newest_committed": hf_trainer.last_committed_checkpoint(output_dir),

@@ -139,6 +139,15 @@ def test_a_failed_save_of_the_best_checkpoint_is_no_longer_the_best_one_trainer_
     assert "checkpoint-2" in out["folders"]
 
 
+def test_training_stopped_on_a_step_that_saves_nothing_settles_the_last_save_before_trainer_loads_the_best(
+        ranks, tmp_path):
+    """Stopped after step 5 (no save there), Trainer loads its best checkpoint at once: the failed save of step
+    4 must be set aside first, not loaded (DeepSpeed finds no 'latest' there and Trainer raises)."""
+    out = ranks.run(hf_tasks.train_with_failing_saves, str(tmp_path / "run"), 2, best_model=True, stop_at=5)[0]
+    assert [f for f in out["folders"] if "checkpoint" in f] == ["_failed-checkpoint-4", "checkpoint-2"]
+    assert out["best"] in (None, str(tmp_path / "run" / "checkpoint-2"))
+
+
 def test_a_new_run_refuses_to_start_below_committed_checkpoints(runs, ranks):
     errors = ranks.run(hf_tasks.start_over, runs["out"], runs["stage"])
     assert all(e is not None and f"resume from checkpoint-{hf_tasks.MAX_STEPS} (last_committed_checkpoint)" in e
