@@ -119,8 +119,8 @@ def _steps_in_backward(engine: Any) -> bool:
     """Whether the engine updates its optimizer state before ``engine.step()``: SuperOffload's ZeRO-3 runs
     the CPU optimizer's step on each partition as backward finishes its gradients (without gradient
     clipping), so a copy of the optimizer state overlapping the next backward would read it mid-update."""
-    super_offload = getattr(engine, "super_offload", None)
-    return bool(super_offload()) if callable(super_offload) else False
+    super_offload = getattr(engine, "super_offload", None)  # the config's flag, which DeepSpeed honours under ZeRO-3
+    return callable(super_offload) and bool(super_offload()) and engine.zero_optimization_stage() == 3
 
 
 def _normalize(url: str) -> str:
@@ -276,8 +276,9 @@ class AsyncCheckpointer:
         most ``timeout`` seconds (default ``wait_timeout_s``), then raises :class:`WaitTimeoutError`.
         """
         self._ensure_open()
-        inflight.refuse_waiting_here("wait()")
         timeout = timeout_argument("wait(timeout=...)", timeout)
+        if not inflight.waits_here("wait()"):
+            return
         if timeout is None:
             self._await_handles(self.config.effective_wait_timeout_s)
         else:
@@ -407,7 +408,7 @@ class AsyncCheckpointer:
     def _deepspeed_load(self, load_dir: str, manifest: Manifest, source: str, **options: bool) -> tuple[str, dict]:
         with self._named_by_latest(load_dir, manifest.tag,
                                    self._weights_from_every_shard(options.get("load_optimizer_states", True))) as root, \
-                inflight.not_waiting("inside async_ckpt's own load()"):  # DeepSpeed's readers, hooked, wait for none
+                inflight.not_waiting():  # DeepSpeed's readers, hooked, wait for none
             path, client_state = type(self.engine).load_checkpoint(self.engine, root, manifest.tag, **options)
         if path is None:
             raise CheckpointNotFoundError(f"DeepSpeed found no checkpoint files for tag {manifest.tag!r} in {load_dir}")
@@ -1238,6 +1239,8 @@ class AsyncCheckpointer:
         from (``wait_timeout_s``, or a call's own ``timeout``), which the error says to raise; ``url`` the
         root the save goes to (default: wrap()'s).
         """
+        if not inflight.waits_here(f"a wait for {what} (tag {tag!r})"):
+            return
         started = time.monotonic()
         deadline = started + timeout_s
         while not done(max(0.0, min(_PROGRESS_EVERY_S, deadline - time.monotonic()))):

@@ -1,7 +1,7 @@
 """The demo: train a small GPT with DeepSpeed ZeRO-3 on 2 CPU ranks, save asynchronously, resume.
 
 Phase 1 trains and saves every few steps, printing per save how long training was blocked
-against how long the write took in the background. Phase 2 starts a *new* process group,
+against how long the write took (in the background, unless wrap() chose synchronous saves). Phase 2 starts a *new* process group,
 resumes from the latest committed checkpoint and shows the loss carrying on.
 """
 
@@ -87,6 +87,7 @@ def run_demo(root: str | None = None, steps: int = 20, save_every: int = 5, size
     if steps % save_every:
         raise UsageError(f"--steps {steps} is not a multiple of --save-every {save_every}: phase 1 ends with a save, "
                          "which phase 2 resumes from; pass a multiple")
+    root = os.path.expanduser(root) if root else None  # as wrap() takes it
     if root is not None and os.path.isdir(root) and os.listdir(root):
         raise UsageError(f"--dir {root} is not empty (an earlier demo's checkpoints?): the demo's tags would clash "
                          "with them; pass a new or empty folder, or leave --dir out")
@@ -99,11 +100,11 @@ def run_demo(root: str | None = None, steps: int = 20, save_every: int = 5, size
     with RankGroup(2) as ranks:
         first = ranks.run(train_and_save, root, steps, save_every, size)[0]
     if first["synchronous"]:
-        print(f"\n  {root} is in memory (tmpfs): wrap() chose synchronous saves, written while training waits, "
+        print(f"\n  {root} is in memory (tmpfs or ramfs): wrap() chose synchronous saves, written while training waits, "
               "which costs training less there than a background write; pass --dir on a disk to see saves "
               "in the background")
-    write = "write (training waits)" if first["synchronous"] else "background write"
-    print(f"\n  tag            training stalled {write:>18}   durable after   bytes written")
+    write = "synchronous write" if first["synchronous"] else "background write"
+    print(f"\n  {'tag':<14} {'training stalled':>16} {write:>18} {'durable after':>15}   {'bytes written':>12}")
     for save in first["saves"]:
         if save["durable_s"] is None:  # logged with its cause by the writer
             print(f"  {save['tag']:<14} {save['waited_s'] * 1000:13.1f} ms   failed: see the error logged above")

@@ -49,7 +49,8 @@ folder, which after a crash can be one whose save never committed; :func:`last_c
 names the newest committed one instead. A run that starts below checkpoints of later steps in
 ``output_dir`` (committed, or saved by stock DeepSpeed) is refused at ``on_train_begin``: async_ckpt
 never overwrites a committed checkpoint nor writes into a stock one, and would otherwise fail only
-when it reached that step.
+when it reached that step. Its other ``checkpoint-N`` folders of later steps (saves a crash or
+``on_error="raise"`` cut short) are set aside as ``_failed-checkpoint-N`` then, out of Trainer's rotation.
 
 Importing this module imports transformers (in the ``example`` and ``test`` extras), which the
 rest of async_ckpt does not need.
@@ -137,6 +138,8 @@ class AsyncCheckpointCallback(TrainerCallback):
         if not isinstance(engine, deepspeed.DeepSpeedEngine):
             raise UsageError(f"trainer.model_wrapped is a {type(engine).__name__}, not a DeepSpeedEngine; "
                              "async_ckpt needs Trainer to train with a DeepSpeed config (TrainingArguments(deepspeed=...))")
+        # first: a previous train() that raised left its checkpointer open, maybe still writing into a folder below
+        self.close()
         later = [folder for step, folder in _checkpoint_folders(args.output_dir)
                  if step > state.global_step and _saved_tag(folder)]
         if later:  # fail now rather than at that step, hours into the run
@@ -151,13 +154,15 @@ class AsyncCheckpointCallback(TrainerCallback):
                 + (f"move {', '.join(cut_short)} away: no latest naming a tag async_ckpt committed, or no "
                    "trainer_state.json (a crash cut the save short, or another tool saved it), so "
                    "last_committed_checkpoint does not resume from there" if cut_short else ""))
-        if args.should_save:  # what else lies beyond this run's step: a save cut short (a crash, on_error="raise"),
-            # which Trainer's rotation would count among the newest and keep, deleting committed checkpoints instead
+        self.checkpointer = wrap(engine, args.output_dir, **self._options)
+        # what else lies beyond this run's step: a save cut short (a crash, on_error="raise"), which Trainer's
+        # rotation would count among the newest and keep, deleting committed checkpoints instead. Set aside once
+        # every rank has looked at the folders above (one collective), by the process that writes Trainer's files
+        self.checkpointer._gather_checked("to look at the checkpoint folders", lambda: None)
+        if args.should_save:
             for step, folder in _checkpoint_folders(args.output_dir):
                 if step > state.global_step:
                     _set_aside(folder, "holds no committed checkpoint (a crash or an error cut its save short)")
-        self.close()  # a previous train() that raised left its checkpointer open
-        self.checkpointer = wrap(engine, args.output_dir, **self._options)
         self._async_save = engine.save_checkpoint
         engine.save_checkpoint = self._save_checkpoint
         self._last_saved, self._settled = None, True
@@ -302,6 +307,9 @@ def _set_aside(folder: str, why: str) -> None:
         aside, n = os.path.join(os.path.dirname(folder), f"_failed-{os.path.basename(folder)}-{n}"), n + 1
     try:
         os.rename(folder, aside)
+    except FileNotFoundError:  # set aside by another node's process over a shared filesystem (save_on_each_node)
+        logger.debug("%s is gone: set aside by another process", folder)
+        return
     except OSError as exc:
         logger.error("%s %s and could not be set aside (%s): Trainer's rotation counts it as a checkpoint; move it "
                      "away by hand", folder, why, exc)

@@ -29,11 +29,12 @@ also makes two ends of a rank wait for its saves in flight:
   A forked child (a DataLoader worker) forgets its parent's checkpointers: their writer threads
   are not in it, and its exit must not wait for them.
 
-The readers' hooks do not wait, and :func:`wait_all` refuses, on a thread inside :func:`not_waiting`:
-async_ckpt's own ``load()`` (it settled the saves it reads first; a tiered load leaves drains running,
-which a ZeRO-3 load without optimizer states, reading through ``zero_to_fp32``, would wait out), and an
-``on_save_done`` callback, which runs on the writer or drainer thread: the saves a wait there would
-wait for are written by that very thread once the callback returns.
+On a thread inside :func:`not_waiting` the readers' hooks do not wait: async_ckpt's own ``load()`` (it
+settled the saves it reads first; a tiered load leaves drains running, which a ZeRO-3 load without
+optimizer states, reading through ``zero_to_fp32``, would wait out; an explicit wait there returns at
+once), and an ``on_save_done`` callback, which runs on the writer or drainer thread: the saves a wait
+there would wait for are written by that very thread once the callback returns, so an explicit wait
+(:func:`wait_all`, a checkpointer's ``wait()``, ``close()``, a synchronous ``save()``) raises there.
 
 What still loses a save in flight: ``os._exit``, a signal that kills the process (SIGKILL, an
 unhandled SIGTERM), and a wait that times out.
@@ -65,7 +66,7 @@ logger = logging.getLogger("async_ckpt")
 
 _OPEN: "weakref.WeakSet[AsyncCheckpointer]" = weakref.WeakSet()
 _LOCK = threading.Lock()
-_HERE = threading.local()  # .why: where this thread is, when it must not wait for saves (see not_waiting)
+_HERE = threading.local()  # .inside: (refusal,) while this thread must not wait for saves (see not_waiting)
 #: Where an ``on_save_done`` callback runs (its :func:`not_waiting`).
 IN_ON_SAVE_DONE = "in an on_save_done callback, which runs on async_ckpt's writer or drainer thread"
 _HOOKED = False
@@ -91,24 +92,28 @@ def unregister(checkpointer: "AsyncCheckpointer") -> None:
 
 
 @contextlib.contextmanager
-def not_waiting(why: str) -> Iterator[None]:
-    """Inside the block, on this thread, the hooked readers read without waiting for saves, and
-    :func:`wait_all` and ``wait()`` raise :class:`~async_ckpt.UsageError` saying ``why`` (where the
-    thread is): see the module docstring."""
-    outer = getattr(_HERE, "why", None)
-    _HERE.why = why
+def not_waiting(refusal: str | None = None) -> Iterator[None]:
+    """Inside the block, on this thread, the hooked readers read without waiting for saves, and an explicit
+    wait (:func:`waits_here`) returns at once, or with ``refusal`` (where the thread is) raises
+    :class:`~async_ckpt.UsageError` saying so: see the module docstring."""
+    outer = getattr(_HERE, "inside", None)
+    _HERE.inside = (refusal,)
     try:
         yield
     finally:
-        _HERE.why = outer
+        _HERE.inside = outer
 
 
-def refuse_waiting_here(call: str) -> None:
-    """:class:`~async_ckpt.UsageError` where this thread is inside :func:`not_waiting`."""
-    why = getattr(_HERE, "why", None)
-    if why is not None:
-        raise UsageError(f"{call} was called {why}: it would wait for saves this thread has yet to write. Wait "
+def waits_here(call: str) -> bool:
+    """Whether ``call``, a wait for saves, waits on this thread: not inside :func:`not_waiting`, where it
+    returns at once, or raises :class:`~async_ckpt.UsageError` naming ``call`` where the block refuses waits."""
+    inside = getattr(_HERE, "inside", None)
+    if inside is None:
+        return True
+    if inside[0] is not None:
+        raise UsageError(f"{call}: called {inside[0]}, it would wait for saves this thread has yet to write. Wait "
                          "from the training loop instead")
+    return False
 
 
 def wait_all(timeout: float | None = None) -> None:
@@ -118,8 +123,9 @@ def wait_all(timeout: float | None = None) -> None:
     logged otherwise), together at most ``timeout`` seconds (default: each one's
     ``wait_timeout_s``), then :class:`~async_ckpt.WaitTimeoutError` names the rank and the tag.
     """
-    refuse_waiting_here("wait_all()")
     timeout = timeout_argument("wait_all(timeout=...)", timeout)
+    if not waits_here("wait_all()"):
+        return
     deadline = None if timeout is None else time.monotonic() + timeout
     with _LOCK:
         open_now = list(_OPEN)
@@ -165,7 +171,7 @@ def _waiting_first(fn: Callable[..., Any], only_if: Callable[..., bool] | None =
     the group's store to commit, which the exit's own wait then gives it."""
     @functools.wraps(fn)
     def hooked(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_HERE, "why", None) is None and (only_if is None or only_if(*args, **kwargs)):
+        if getattr(_HERE, "inside", None) is None and (only_if is None or only_if(*args, **kwargs)):
             try:
                 wait_all()
             except Exception as exc:

@@ -26,8 +26,9 @@ _MP_RANK_RE = re.compile(r"mp_rank_(\d+)_")
 
 
 def is_deepspeed_shard(path: str) -> bool:
-    """Whether a file's name is one DeepSpeed's loaders and tools glob a tag folder for."""
-    return path.endswith(("_model_states.pt", "_optim_states.pt"))
+    """Whether a file's name is one DeepSpeed's loaders and tools glob a tag folder for (``*_model_states.pt``,
+    ``*_optim_states.pt``, and a pipeline's ``layer_NN-*model_states.pt``)."""
+    return path.endswith(("model_states.pt", "optim_states.pt"))
 
 
 def validate_tag(tag: object) -> str:

@@ -126,16 +126,17 @@ def check_no_other_save(root: str, manifest: Manifest, dp_rank: int | None) -> N
     """The tag folder read in place must hold no DeepSpeed file its manifest does not list (of an earlier
     save of the tag, in another layout) that this load globs for, and would read with this save's: the
     model-states files (``mp_rank_*_model_states.pt``, under ZeRO-3 this rank's of every model-parallel
-    rank, on every load), and where a load reads every rank's
+    rank, and a pipeline's layer files, on every load), and where a load reads every rank's
     shards (``dp_rank`` None: ``elastic_checkpoint``, a ZeRO-3 load without optimizer states) every shard.
     A load of this rank's own optimizer shard reads it by name."""
     if manifest.universal:
         return
     others = files_of_another_save(os.path.join(root, manifest.tag), [f.path for f in manifest.files])
-    if dp_rank is not None:  # the glob of DeepSpeed's _get_all_ckpt_names (its _get_ckpt_name, any mp rank)
+    if dp_rank is not None:  # the globs of DeepSpeed's _get_all_ckpt_names (its _get_ckpt_name, any mp rank) and
+        # of a pipeline module's ckpt_layer_path_list
         globbed = (f"zero_pp_rank_{dp_rank}_mp_rank_*_model_states.pt" if manifest.zero_stage == 3
-                   else "mp_rank_*_model_states.pt")
-        others = [p for p in others if "/" not in p and fnmatch.fnmatch(p, globbed)]
+                   else "mp_rank_*_model_states.pt", "layer_*-*model_states.pt")
+        others = [p for p in others if "/" not in p and any(fnmatch.fnmatch(p, g) for g in globbed)]
     if others:
         raise VerificationError(f"{root}/{manifest.tag} holds DeepSpeed shards its manifest does not list "
                                 f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): another save's, which "

@@ -66,6 +66,9 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
                              f"tag {manifest.tag!r} of {source.url}")
         if holds_files(dest, out_tag):  # a conversion into it that did not commit: its files of another layout
             # (another model-parallel size's mp_rank_* files, say) would stay beside these, and DeepSpeed globs them
+            if read_manifest(dest, out_tag) is not None or not started_here(dest, out_tag):
+                raise TagExistsError(f"tag {out_tag!r} at {dest.url} was committed, or written by something else, "
+                                     "while this conversion ran; pass another --out-tag")
             logger.warning("tag %s at %s holds the files of a conversion into it that did not commit: removed "
                            "before this one's are written", out_tag, dest.url)
             delete_tag(dest, out_tag)

@@ -76,12 +76,13 @@ def verify_tag(storage: Storage, manifest: Manifest, paths: list[str] | None = N
 def unlisted_shards(storage: Storage, manifest: Manifest) -> list[FileCheck]:
     """DeepSpeed shards in the tag's folder that its manifest does not list (another save's: a killed save
     of the tag in another layout, an ``overwrite_tags`` save over a larger one): the files all match, yet
-    DeepSpeed's loaders and tools glob the folder and would read these with the save's own."""
+    DeepSpeed's loaders and tools glob the folder (itself, not its subfolders) and would read these with the
+    save's own."""
     listed = {entry.path for entry in manifest.files}
-    found = (path.removeprefix(f"{manifest.tag}/") for path in storage.iter_files(manifest.tag))
-    return [FileCheck(path, False, "not in the manifest: another save's shard, which DeepSpeed's tools would read "
+    return [FileCheck(name, False, "not in the manifest: another save's shard, which DeepSpeed's tools would read "
                                    "with this save's files")
-            for path in sorted(found) if path not in listed and is_deepspeed_shard(path)]
+            for name in sorted(storage.list_dir(manifest.tag))
+            if name not in listed and is_deepspeed_shard(name) and not storage.is_dir(f"{manifest.tag}/{name}")]
 
 
 def on_other_nodes(manifest: Manifest, checks: list[FileCheck]) -> list[FileCheck]:

@@ -197,9 +197,9 @@ def _copies_held_back(seconds: float) -> Iterator[None]:
 def snapshot_ignores_later_mutation(root: str, mode: str) -> dict:
     """Mutate the live state right after save(); the checkpoint must hold the values at save time.
     ``mode``: "mutate-by-hand" (overlap_copy=False), "overlapped-copy-then-step" (the default), or
-    "steps-in-backward" (the default, on an engine that says, as SuperOffload's does, that it updates
+    "steps-in-backward" (the default, on a ZeRO-3 engine that says, as SuperOffload's does, that it updates
     the optimizer state during backward: here by hand, before any optimizer step)."""
-    engine = workload.make_engine(2, "fp32")
+    engine = workload.make_engine(3 if mode == "steps-in-backward" else 2, "fp32")
     workload.train(engine, 2, _tokens(), _rank())
     type(engine).save_checkpoint(engine, f"{root}/reference")
     if mode == "steps-in-backward":
@@ -213,7 +213,8 @@ def snapshot_ignores_later_mutation(root: str, mode: str) -> dict:
         with torch.no_grad():
             for p in engine.module.parameters():
                 p.add_(1.0)
-            for group in engine.optimizer.single_partition_of_fp32_groups:
+            for group in getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or \
+                    engine.optimizer.fp32_partitioned_groups_flat:
                 group.add_(1.0)
             for state in engine.optimizer.optimizer.state.values():
                 for value in state.values():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -97,10 +98,13 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 def write_all(stream: Any, view: memoryview) -> None:
     """``stream.write`` of all of ``view``: a raw file object writes short as ``os.write`` does (a filling
-    disk, a file size limit), and says so only in the count it returns (``None``: a stream that wrote all)."""
+    disk, a file size limit), and says so only in the count it returns. A stream that returns ``None``
+    (a buffered one of fsspec's) took all of it; one that takes nothing is an error, not an endless loop."""
     written = 0
     while written < view.nbytes:
         n = stream.write(view[written:])
+        if n == 0:
+            raise OSError(errno.EIO, f"a write took none of {view.nbytes - written} bytes")
         written += view.nbytes - written if n is None else n
 
 
