@@ -801,7 +801,9 @@ class AsyncCheckpointer:
         if self._drainer is not None:  # every rank of the node is past any load before this save: it read its files
             self._drainer.resume_retention()
         found = views[0].proposal  # what rank 0 found, on every rank
-        overwrites = found is not None and found.committed and (found.replaceable or self.config.overwrite_tags)
+        # an export replaces an earlier export only, never a ZeRO checkpoint, whatever overwrite_tags says
+        overwrites = found is not None and found.committed and (
+            found.replaceable if replace_export else self.config.overwrite_tags)
         if found is not None:  # before any raise below could drop them; rank 0's tag on every rank
             self._start_drains(found.redrain, skip=views[0].tag if overwrites else None)
         if overwrites and self._drainer is not None:  # this save replaces the earlier one's files: no retry of it
@@ -831,6 +833,9 @@ class AsyncCheckpointer:
                                  "save of an async_ckpt older than start marks that died. Saving into it would mix "
                                  "two checkpoints' files. Use a new tag, or move that folder away (overwrite_tags=True "
                                  "writes into it, as DeepSpeed would)")
+        if committed and not overwrites and replace_export:
+            raise TagExistsError(f"tag {tag!r} at {storage.url} is a committed ZeRO checkpoint: an export (save_16bit_model) "
+                                 "never replaces one, whatever overwrite_tags says. Export into another folder")
         if committed and not overwrites:
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "

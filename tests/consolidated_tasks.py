@@ -108,6 +108,8 @@ def consolidated_saves(stage: int, dtype: str, root: str, s3_url: str, s3_option
     out["failures"] = [str(e) for e in ckpt.failures]
     ckpt.close()
     out["save_16bit_model_restored"] = "save_16bit_model" not in engine.__dict__
+    with async_ckpt.wrap(engine, root, overwrite_tags=True) as ckpt:  # overwrites tags, not with an export
+        out["16bit_into_a_zero_tag_overwrite_tags"] = _outcome(lambda: engine.save_16bit_model(f"{root}/regular"))
 
     out["s3_logits"] = _logits(engine)
     with async_ckpt.wrap(engine, s3_url, storage_options=s3_options, tokenizer=workload.build_tokenizer()) as ckpt:

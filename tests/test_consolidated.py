@@ -178,6 +178,13 @@ def test_save_16bit_model_into_a_committed_zero_checkpoint_folder_is_refused(run
     assert not _manifest(run["root"] / "regular").consolidated
 
 
+def test_save_16bit_model_into_a_committed_zero_checkpoint_folder_is_refused_with_overwrite_tags_too(run):
+    """overwrite_tags lets a save replace a tag; an export would turn a ZeRO checkpoint into a consolidated one."""
+    kind, message = run["16bit_into_a_zero_tag_overwrite_tags"]
+    assert kind == "TagExistsError" and "is a committed ZeRO checkpoint" in message
+    assert not _manifest(run["root"] / "regular").consolidated
+
+
 def test_save_16bit_model_into_a_folder_whose_name_is_no_tag_is_refused_naming_save_dir(run):
     kind, message = run["16bit_into_a_folder_no_tag_can_name"]
     assert kind == "InvalidTagError" and "save_16bit_model(save_dir=" in message and "my model" in message
