@@ -30,7 +30,8 @@ from async_ckpt import __version__ as _version
 from async_ckpt import commit, inflight
 from async_ckpt.catalog import holds_files, read_manifest, refuse_unsupported_latest, started_here
 from async_ckpt.config import CheckpointConfig, OnError, local_path, timeout_argument
-from async_ckpt.consolidated import DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, set_config_dtype
+from async_ckpt.consolidated import (DEFAULT_SHARD_BYTES, floating_dtype, gather_state_dict, refuse_partial_export,
+                                     set_config_dtype)
 from async_ckpt.deepspeed_adapter import AsyncCheckpointEngine, CloneRequest, deferred_clones, estimate_snapshot
 from async_ckpt.drain import Drainer, DrainJob, DrainTarget
 from async_ckpt.errors import (CheckpointerClosedError, CheckpointNotFoundError, ConfigError, CorruptManifestError,
@@ -303,6 +304,7 @@ class AsyncCheckpointer:
         tag = validate_tag(tag) if tag is not None else f"global_step{self.engine.global_steps}_consolidated"
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+        refuse_partial_export(self.engine, "save_consolidated", exclude_frozen_parameters=exclude_frozen_parameters)
         agreed = self._agree(self.storage, tag)
         with self._handed_over_or_failed(self.storage, tag, agreed):
             entered = time.perf_counter()

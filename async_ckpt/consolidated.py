@@ -41,13 +41,38 @@ _SAFETENSORS_DTYPES = {
 _HEADER_ALIGN = 8
 
 
+def refuse_partial_export(engine: Any, call: str, *, exclude_frozen_parameters: bool = False) -> None:
+    """:class:`~async_ckpt.UsageError` for an engine whose ranks each hold part of the model outside what
+    :func:`gather_state_dict` gathers: a pipeline's stages (and its module_state_dict writes layer files
+    into the last checkpoint DeepSpeed loaded), expert parallelism's experts, AutoTP's slices under ZeRO-3;
+    and for ``exclude_frozen_parameters`` with AutoTP, whose gather takes every parameter."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    refuse = getattr(engine, "_raise_if_autoep_zero3_consolidated_export", None)
+    if refuse is not None and engine.zero_optimization_partition_weights():
+        refuse(call)  # DeepSpeed's own refusal (AutoEP under ZeRO-3), naming the call
+    why = None
+    if isinstance(engine, PipelineEngine):
+        why = "a pipeline's stages each hold their own layers"
+    elif any(getattr(module, "ep_size", 1) > 1 for module in engine.module.modules()) or (
+            getattr(engine, "_has_autoep_layers", lambda: False)()):
+        why = "expert parallelism leaves each rank its own experts"
+    elif engine.autotp_size() > 1 and engine.zero_optimization_partition_weights():
+        why = "DeepSpeed gathers AutoTP's slices and ZeRO-3's partitions apart, not both at once"
+    elif engine.autotp_size() > 1 and exclude_frozen_parameters:
+        why = "DeepSpeed's gather of AutoTP's slices takes every parameter (exclude_frozen_parameters=True)"
+    if why is not None:
+        raise UsageError(f"{call} cannot gather this engine's whole model: {why}. Save a checkpoint and convert it "
+                         "(`async-ckpt to-universal`, or DeepSpeed's zero_to_fp32) instead")
+
+
 def gather_state_dict(engine: Any, *, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict by DeepSpeed's own gather: on rank 0 always (``None`` on the other
-    ranks under ZeRO-3, where every rank must call it: the gather is a collective, layer by layer)."""
+    ranks under ZeRO-3 and AutoTP, where every rank must call it: the gather is a collective, layer by
+    layer). Call :func:`refuse_partial_export` first."""
+    if engine.autotp_size() > 1:  # DeepSpeed's own gather of AutoTP's slices
+        return engine._replace_module_consolidated_state_dict()
     if engine.zero_optimization_partition_weights():
-        refuse = getattr(engine, "_raise_if_autoep_zero3_consolidated_export", None)
-        if refuse is not None:  # DeepSpeed's own refusal, naming this operation
-            refuse("save_consolidated")
         return engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
     return engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
 

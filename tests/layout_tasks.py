@@ -223,6 +223,9 @@ def pipeline_run(root: str, stage: int, s3_url: str | None = None, options: dict
     out, engine = _layout_run(lambda seed: _pipe_engine(seed, stage), _pipe_step, root, "pipeline",
                               s3=(s3_url, options) if s3_url else None)
     out.update(stage_id=engine.stage_id, mp_world_size=engine.mp_world_size, mp_rank=engine.checkpoint_mp_rank)
+    with async_ckpt.wrap(engine, f"{root}/export") as ckpt:
+        out["consolidated"] = _outcome(lambda: ckpt.save_consolidated(tag="whole"))
+    out["export_written"] = os.path.exists(f"{root}/export/whole")
     return out
 
 
@@ -327,6 +330,18 @@ def autotp_run(root: str, stage: int, dtype: str, s3_url: str | None = None, opt
                dp_world_size=dist.get_world_size(group=engine.optimizer.dp_process_group))
     with async_ckpt.wrap(other, f"{root}/async") as ckpt:
         out["load_on_tp1"] = _outcome(ckpt.load)
+    with async_ckpt.wrap(engine, f"{root}/export") as ckpt:
+        out["consolidated"] = _outcome(lambda: ckpt.save_consolidated(tag="whole").result(timeout=300))
+    full = _gathered(engine)["full_weights"]  # a collective: on every rank
+    if _rank() == 0 and out["consolidated"] is None:
+        from safetensors.torch import load_file
+
+        exported: dict[str, torch.Tensor] = {}
+        for name in sorted(os.listdir(f"{root}/export/whole")):
+            if name.endswith(".safetensors"):
+                exported.update(load_file(f"{root}/export/whole/{name}"))
+        out["exported_differs"] = sorted(set(exported) ^ set(full)) + [
+            k for k in full if k in exported and not torch.equal(exported[k], full[k].to(exported[k].dtype))]
     return out
 
 

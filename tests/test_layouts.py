@@ -378,6 +378,13 @@ def test_pipeline_writes_each_stages_layer_files_and_model_states(request, name,
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"}
 
 
+def test_a_pipelines_consolidated_save_is_refused_before_anything_is_written(pipeline):
+    """Each stage holds its own layers, and its module_state_dict writes layer files into the tag last loaded."""
+    for out in pipeline["ranks"]:
+        kind, message = out["consolidated"]
+        assert kind == "UsageError" and "pipeline" in message and out["export_written"] is False
+
+
 def test_pipeline_resume_from_s3_fetches_the_layer_files_and_takes_the_same_step(pipeline):
     for rank, out in enumerate(pipeline["ranks"]):
         resumed = out["resumed_s3"]
@@ -490,6 +497,20 @@ def test_autotp_checkpoint_on_the_same_world_size_with_another_tp_size_is_refuse
         kind, message = out["load_on_tp1"]
         assert kind == "UsageError"
         assert "2 model-parallel" in message and "this job has 1" in message and "to-universal" in message
+
+
+@pytest.mark.parametrize("name", ["autotp", "autotp_zero2"])
+def test_autotp_consolidated_save_holds_the_whole_model_as_deepspeeds_tensor_parallel_gather_gives_it(request, name):
+    """Not each rank's slices under the whole model's names, which from_pretrained refuses."""
+    rank0 = request.getfixturevalue(name)["ranks"][0]
+    assert rank0["consolidated"] is None and rank0["exported_differs"] == []
+
+
+def test_autotp_consolidated_save_under_zero3_is_refused_before_anything_is_written(autotp_zero3):
+    for out in autotp_zero3["ranks"]:
+        kind, message = out["consolidated"]
+        assert kind == "UsageError" and "AutoTP" in message and "to-universal" in message
+    assert not (autotp_zero3["root"] / "export" / "whole").exists()
 
 
 @pytest.mark.parametrize("name,source", [("autotp", "local"), ("autotp", "s3"), ("autotp_zero2", "local"),
