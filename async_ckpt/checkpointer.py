@@ -557,6 +557,7 @@ class AsyncCheckpointer:
         """
         if self._closed:
             return
+        inflight.waits_here("close()")  # refused, before anything stops, in an on_save_done callback
         deadline = time.monotonic() + self.config.effective_wait_timeout_s
 
         def left() -> float:

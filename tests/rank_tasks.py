@@ -960,7 +960,8 @@ def waits_in_a_save_done_callback(root: str) -> dict:
     seen: dict = {}
 
     def callback(handle) -> None:
-        for name, wait in (("wait_all", async_ckpt.wait_all), ("wait", lambda: ckpt.wait())):
+        for name, wait in (("wait_all", async_ckpt.wait_all), ("wait", lambda: ckpt.wait()),
+                           ("close", lambda: ckpt.close())):
             try:
                 wait()
                 seen[name] = None
@@ -971,6 +972,7 @@ def waits_in_a_save_done_callback(root: str) -> dict:
     engine = workload.make_engine(2, "fp32")
     with async_ckpt.wrap(engine, root, on_save_done=callback) as ckpt:
         ckpt.save(tag="a").result(timeout=120)
+        seen["saves_after"] = ckpt.save(tag="b").result(timeout=120).tag  # the refused close() stopped nothing
     return seen
 
 

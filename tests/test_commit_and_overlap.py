@@ -96,9 +96,10 @@ def test_a_zero3_load_without_optimizer_states_does_not_wait_for_saves_inside_de
 def test_waiting_for_saves_in_a_save_done_callback_is_refused_saying_where_it_runs(ranks, tmp_path):
     """The callback runs on the thread that writes the saves it would wait for."""
     for rank_out in ranks.run(rank_tasks.waits_in_a_save_done_callback, str(tmp_path)):
-        for call in ("wait_all", "wait"):
+        for call in ("wait_all", "wait", "close"):
             kind, message = rank_out[call]
             assert kind == "UsageError" and f"{call}(): called in an on_save_done callback" in message
+        assert rank_out["saves_after"] == "b"
 
 
 def test_a_save_done_callback_reads_the_committed_checkpoint_through_deepspeeds_hooked_reader(ranks, tmp_path):
