@@ -25,6 +25,11 @@ class TagInfo:
     def committed(self) -> bool:
         return self.manifest is not None
 
+    def is_checkpoint(self, *, universal: bool = False) -> bool:
+        """Committed, and a checkpoint of that kind (ZeRO, or universal) that resume, fallback and retention
+        consider: not a consolidated save (whole-model weights, for export)."""
+        return self.manifest is not None and self.manifest.universal == universal and not self.manifest.consolidated
+
     @property
     def state(self) -> str:
         if self.committed:

@@ -837,8 +837,9 @@ class AsyncCheckpointer:
                                  "two checkpoints' files. Use a new tag, or move that folder away (overwrite_tags=True "
                                  "writes into it, as DeepSpeed would)")
         if committed and not overwrites and replace_export:
-            raise TagExistsError(f"tag {tag!r} at {storage.url} is a committed ZeRO checkpoint: an export (save_16bit_model) "
-                                 "never replaces one, whatever overwrite_tags says. Export into another folder")
+            raise TagExistsError(f"tag {tag!r} at {storage.url} is a committed ZeRO checkpoint: an export "
+                                 "(save_16bit_model) never replaces one, whatever overwrite_tags says. Export into "
+                                 "another folder")
         if committed and not overwrites:
             raise TagExistsError(f"tag {tag!r} is already committed at {storage.url}; saving it again would "
                                  "overwrite a good checkpoint. Use a new tag, delete the old one first, or pass "

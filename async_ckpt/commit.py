@@ -410,8 +410,7 @@ def apply_retention(storage: Storage, current: str, keep_last: int, keep_every: 
     Each deletion runs inside ``allowed()``, and only where it yields true; where it yields false the
     pass ends there (a load may read the tags: a later commit's pass deletes what this one left).
     """
-    committed = [t for t in list_tags(storage)  # conversions and consolidated saves are kept
-                 if t.committed and not t.manifest.universal and not t.manifest.consolidated]
+    committed = [t for t in list_tags(storage) if t.is_checkpoint()]  # conversions and consolidated saves are kept
     protected = {current, read_latest(storage)}
     deleted = []
     for info in committed[:-keep_last] if len(committed) > keep_last else []:

@@ -1,8 +1,8 @@
 """The demo: train a small GPT with DeepSpeed ZeRO-3 on 2 CPU ranks, save asynchronously, resume.
 
 Phase 1 trains and saves every few steps, printing per save how long training was blocked
-against how long the write took (in the background, unless wrap() chose synchronous saves). Phase 2 starts a *new* process group,
-resumes from the latest committed checkpoint and shows the loss carrying on.
+against how long the write took (in the background, unless wrap() chose synchronous saves). Phase 2
+starts a *new* process group, resumes from the latest committed checkpoint and shows the loss carrying on.
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def run_demo(root: str | None = None, steps: int = 20, save_every: int = 5, size
     with RankGroup(2) as ranks:
         first = ranks.run(train_and_save, root, steps, save_every, size)[0]
     if first["synchronous"]:
-        print(f"\n  {root} is in memory (tmpfs or ramfs): wrap() chose synchronous saves, written while training waits, "
-              "which costs training less there than a background write; pass --dir on a disk to see saves "
+        print(f"\n  {root} is in memory (tmpfs or ramfs): wrap() chose synchronous saves, written while training "
+              "waits, which costs training less there than a background write; pass --dir on a disk to see saves "
               "in the background")
     write = "synchronous write" if first["synchronous"] else "background write"
     print(f"\n  {'tag':<14} {'training stalled':>16} {write:>18} {'durable after':>15}   {'bytes written':>12}")

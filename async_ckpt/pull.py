@@ -223,9 +223,8 @@ def _warn_of_newer_tags(out: LocalStorage, manifest: Manifest) -> None:
     """Stock DeepSpeed loads the tag ``latest`` names; async_ckpt's ``load()`` without a tag takes a newer
     committed one that moved ``latest`` (see :func:`async_ckpt.resume.resolve`): say so where a pull of an
     older tag (a rollback) leaves the two disagreeing."""
-    newer = [info.tag for info in list_tags(out) if info.committed and info.manifest.sets_latest
-             and info.manifest.universal == manifest.universal and not info.manifest.consolidated
-             and info.manifest.recency > manifest.recency]
+    newer = [info.tag for info in list_tags(out) if info.is_checkpoint(universal=manifest.universal)
+             and info.manifest.sets_latest and info.manifest.recency > manifest.recency]
     if newer:
         logger.warning("%s also holds %s, saved after %s: stock DeepSpeed loads %s ('latest' names it), but "
                        "async_ckpt's load() without a tag takes %s. Pass tag=%r to load(), or pull into another "

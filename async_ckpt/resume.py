@@ -69,8 +69,7 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
         if info.error:
             logger.warning("skipping %s tag %s: %s%s", info.state, info.tag, info.error,
                            "" if info.unsupported else " (`async-ckpt gc` removes it after the grace period)")
-    committed = [t.manifest for t in infos
-                 if t.committed and t.manifest.universal == universal and not t.manifest.consolidated]
+    committed = [t.manifest for t in infos if t.is_checkpoint(universal=universal)]
     moved_latest = [m for m in committed if m.sets_latest]
     newest = moved_latest[-1] if moved_latest else committed[-1] if committed else None
     named = next((m for m in committed if m.tag == latest), None)
@@ -105,9 +104,8 @@ def resolve(storage: Storage, tag: str | None, *, universal: bool = False) -> Ma
 def older_committed(storage: Storage, manifest: Manifest) -> Manifest | None:
     """The newest committed tag saved before ``manifest`` at no higher step (for falling back after a
     failed check): after a rollback, the live run's earlier saves, never the abandoned later steps."""
-    older = [t.manifest for t in list_tags(storage) if t.committed and t.tag != manifest.tag
-             and t.manifest.universal == manifest.universal and not t.manifest.consolidated
-             and earlier_in_run(t.manifest.recency, manifest.recency)]
+    older = [t.manifest for t in list_tags(storage) if t.is_checkpoint(universal=manifest.universal)
+             and t.tag != manifest.tag and earlier_in_run(t.manifest.recency, manifest.recency)]
     return older[-1] if older else None
 
 

@@ -161,7 +161,7 @@ def committed_view(storage: Storage) -> dict[str, tuple[int, float, bool, str]]:
             logger.warning("skipping %s tag %s at %s: %s", info.state, info.tag, storage.url, info.error)
     return {info.tag: (info.manifest.step, info.manifest.created_unix, info.manifest.sets_latest,
                        info.manifest.save_id)
-            for info in tags if info.committed and not info.manifest.universal and not info.manifest.consolidated}
+            for info in tags if info.is_checkpoint()}
 
 
 def _recency(view: tuple[int, float, bool, str]) -> tuple[float, int]:
@@ -251,8 +251,7 @@ def prune_local(local: Storage, durable: Storage, keep: int, *, url_keep_last: i
 
     Each deletion runs inside ``allowed()``, and only where it yields true; where it yields false the
     pass ends there (a load reads the folder: the next pass deletes what this one left)."""
-    committed = [info for info in list_tags(local)
-                 if info.committed and not info.manifest.universal and not info.manifest.consolidated]
+    committed = [info for info in list_tags(local) if info.is_checkpoint()]
     latest = read_latest(local)
     deleted = []
     url_recencies: list[tuple[float, int]] | None = None  # listed once, where a tag is missing at the URL

@@ -53,22 +53,16 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
     # An --out that cannot be written fails now, not after the conversion. A refusal below leaves no new
     # folder: a tag it refuses is in --out, which therefore existed.
     dest.probe()
-    if read_manifest(dest, out_tag) is not None:
-        raise TagExistsError(f"tag {out_tag!r} already exists at {dest.url}; pass another --out-tag or remove it")
-    if holds_files(dest, out_tag) and not started_here(dest, out_tag):
-        raise TagExistsError(f"folder {out_tag!r} at {dest.url} holds files async_ckpt did not write (a conversion "
-                             "of DeepSpeed's own?); pass another --out-tag or move it away")
+    _refuse_taken(dest, out_tag)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="async_ckpt_universal_") as scratch:
         root = local_view(source, manifest, scratch, show_progress=show_progress)
         out_dir = os.path.join(scratch, "out", out_tag)
         _run_ds_to_universal(os.path.join(root, manifest.tag), out_dir, workers,
                              f"tag {manifest.tag!r} of {source.url}")
+        _refuse_taken(dest, out_tag, " (since this conversion began)")  # another conversion into it, meanwhile
         if holds_files(dest, out_tag):  # a conversion into it that did not commit: its files of another layout
             # (another model-parallel size's mp_rank_* files, say) would stay beside these, and DeepSpeed globs them
-            if read_manifest(dest, out_tag) is not None or not started_here(dest, out_tag):
-                raise TagExistsError(f"tag {out_tag!r} at {dest.url} was committed, or written by something else, "
-                                     "while this conversion ran; pass another --out-tag")
             logger.warning("tag %s at %s holds the files of a conversion into it that did not commit: removed "
                            "before this one's are written", out_tag, dest.url)
             delete_tag(dest, out_tag)
@@ -87,6 +81,16 @@ def to_universal(source: Storage, manifest: Manifest, dest: Storage, *, tag: str
     logger.info("converted %s to universal tag %s at %s: %d files, %.3f GB in %.1f s", manifest.tag, out_tag,
                 dest.url, report.files, report.total_bytes / 1e9, report.seconds)
     return report
+
+
+def _refuse_taken(dest: Storage, out_tag: str, when: str = "") -> None:
+    """:class:`TagExistsError` where ``out_tag`` at ``dest`` is committed, or its folder holds files async_ckpt
+    did not start; ``when`` says since when, for a check made again."""
+    if read_manifest(dest, out_tag) is not None:
+        raise TagExistsError(f"tag {out_tag!r} already exists at {dest.url}{when}; pass another --out-tag or remove it")
+    if holds_files(dest, out_tag) and not started_here(dest, out_tag):
+        raise TagExistsError(f"folder {out_tag!r} at {dest.url} holds files async_ckpt did not write{when} (a "
+                             "conversion of DeepSpeed's own?); pass another --out-tag or move it away")
 
 
 def _run_ds_to_universal(input_folder: str, output_folder: str, workers: int, what: str) -> None:

@@ -473,7 +473,7 @@ class LocalStorage(FsspecStorage):
             os.close(fd)
         try:
             os.replace(tmp, final)
-        except BaseException:  # a full folder, a stale NFS handle: the whole file must not stay under its temporary name
+        except BaseException:  # a full folder, a stale NFS handle: the whole file must not stay under its .partial name
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise

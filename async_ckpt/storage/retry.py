@@ -22,8 +22,8 @@ _PERMANENT_5XX = {501, 505}  # Not Implemented, HTTP Version Not Supported
 
 def is_transient(exc: BaseException) -> bool:
     """HTTP 5xx and 429, throttling, timeouts, dropped connections and a body that arrived damaged are worth
-    another try; other 4xx are not, nor 501 and 505: a store that does not implement a request (some S3-compatible stores answer
-    checksum headers so) answers every retry alike."""
+    another try; other 4xx are not, nor 501 and 505: a store that does not implement a request (some
+    S3-compatible stores answer checksum headers so) answers every retry alike."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
